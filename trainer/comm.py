@@ -1,0 +1,205 @@
+"""The only module that calls torch.distributed collectives.
+
+Every collective returns a `Handle`: the call launches the operation asynchronously and
+`Handle.wait()` is the one place a caller blocks on it. Keeping all of them here gives
+one spot for byte counting, timing (total vs. exposed communication time), backend
+fast paths and the test hooks (an event trace and an injected delay).
+
+Averages are computed as SUM followed by a division at wait time: `ReduceOp.AVG` is not
+available on Gloo and has been wrong on it in some releases.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# ---------------------------------------------------------------------------------------
+# Accounting: bytes each rank sends per collective type (ring algorithm model), the time
+# collectives were in flight and the part of it a caller actually waited for.
+
+
+@dataclass
+class CommStats:
+    bytes_sent: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    busy_s: float = 0.0  # launch -> completion observed, summed over collectives
+    exposed_s: float = 0.0  # time callers spent blocked in Handle.wait()
+
+    def reset(self) -> None:
+        self.bytes_sent.clear()
+        self.calls.clear()
+        self.busy_s = 0.0
+        self.exposed_s = 0.0
+
+
+stats = CommStats()
+
+# Test hooks. `trace` (a list, or None) receives (event, tag) tuples in issue order;
+# `delay_s` sleeps before each launch so tests can expose missing synchronisation.
+trace: list[tuple[str, str]] | None = None
+delay_s: float = 0.0
+
+
+def record(event: str, tag: str = "") -> None:
+    """Append an event to the trace when a test is recording; free otherwise."""
+    if trace is not None:
+        trace.append((event, tag))
+
+
+class Handle:
+    """An in-flight collective. `wait()` blocks, then runs the op's finishing step."""
+
+    __slots__ = ("_work", "_post", "_t0", "done")
+
+    def __init__(self, work: dist.Work | None, post: Callable[[], None] | None = None):
+        self._work = work
+        self._post = post
+        self._t0 = time.perf_counter()
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        end = time.perf_counter()
+        stats.exposed_s += end - t
+        stats.busy_s += end - self._t0
+        if self._post is not None:
+            self._post()
+        self.done = True
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group)
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group)
+
+
+def _launch(op: str, tag: str, nbytes: float) -> None:
+    if delay_s:
+        time.sleep(delay_s)
+    stats.bytes_sent[op] += nbytes
+    stats.calls[op] += 1
+    record(f"launch:{op}", tag)
+
+
+def _divide(t: torch.Tensor, n: int) -> Callable[[], None] | None:
+    return (lambda: t.div_(n)) if n > 1 else None
+
+
+# ---------------------------------------------------------------------------------------
+# The collectives the trainer uses.
+
+
+def all_reduce(
+    tensor: torch.Tensor, *, average: bool = False, tag: str = "", group=None
+) -> Handle:
+    """Sum (or average) `tensor` over ranks in place."""
+    p = world_size(group)
+    _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return Handle(work, _divide(tensor, p) if average else None)
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, *, average: bool = False, tag: str = "", group=None
+) -> Handle:
+    """Rank r receives the sum (or mean) of every rank's r-th 1/P slice of flat `input`."""
+    p = world_size(group)
+    _check_split(output, input, p, "reduce_scatter")
+    _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input))
+    work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
+    return Handle(work, _divide(output, p) if average else None)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", group=None) -> Handle:
+    """Every rank receives all ranks' `input` shards concatenated in rank order."""
+    p = world_size(group)
+    _check_split(input, output, p, "all_gather")
+    _launch("all_gather", tag, (p - 1) * _nbytes(input))
+    work = dist.all_gather_single(output, input, group=group, async_op=True)
+    return Handle(work)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, *, tag: str = "", group=None) -> Handle:
+    _launch("broadcast", tag, _nbytes(tensor) if rank(group) == src else 0)
+    return Handle(dist.broadcast(tensor, src, group=group, async_op=True))
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, *, tag: str = "", group=None) -> Handle:
+    """Sum `tensor` into rank `dst`; other ranks' copies are left undefined."""
+    _launch("reduce", tag, _nbytes(tensor))
+    return Handle(dist.reduce(tensor, dst, group=group, async_op=True))
+
+
+def gather(
+    tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int = 0, *, tag: str = "",
+    group=None,
+) -> Handle:
+    """Rank `dst` receives every rank's `tensor` in `gather_list` (None elsewhere)."""
+    _launch("gather", tag, _nbytes(tensor) if rank(group) != dst else 0)
+    return Handle(dist.gather(tensor, gather_list, dst, group=group, async_op=True))
+
+
+def scatter(
+    output: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int = 0, *, tag: str = "",
+    group=None,
+) -> Handle:
+    """Rank r receives `scatter_list[r]` from rank `src`."""
+    sent = sum(_nbytes(t) for t in scatter_list[1:]) if scatter_list and rank(group) == src else 0
+    _launch("scatter", tag, sent)
+    return Handle(dist.scatter(output, scatter_list, src, group=group, async_op=True))
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: Sequence[int] | None = None,
+    input_splits: Sequence[int] | None = None,
+    *,
+    tag: str = "",
+    group=None,
+) -> Handle:
+    """Rank r's j-th input piece lands as rank j's r-th output piece (splits along dim 0)."""
+    p = world_size(group)
+    if input_splits is None:
+        sent = (p - 1) / p * _nbytes(input)
+    else:
+        row = _nbytes(input) / max(input.shape[0], 1)
+        sent = row * (sum(input_splits) - input_splits[rank(group)])
+    _launch("all_to_all", tag, sent)
+    work = dist.all_to_all_single(
+        output, input, output_splits, input_splits, group=group, async_op=True
+    )
+    return Handle(work)
+
+
+def barrier(*, tag: str = "", group=None) -> Handle:
+    _launch("barrier", tag, 0)
+    return Handle(dist.barrier(group=group, async_op=True))
+
+
+def wait_all(handles: Sequence[Handle]) -> None:
+    for h in handles:
+        h.wait()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check_split(shard: torch.Tensor, full: torch.Tensor, p: int, op: str) -> None:
+    if full.numel() != shard.numel() * p:
+        raise ValueError(
+            f"{op}: full tensor has {full.numel()} elements, expected {p} x {shard.numel()}"
+        )

@@ -1,0 +1,5 @@
+"""One exception type for input a user can fix; train.py prints it as a single line."""
+
+
+class ConfigError(ValueError):
+    """Bad configuration or input. The message names the value and what would be valid."""
