@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("forkserver")
@@ -24,8 +26,12 @@ def free_port() -> int:
 
 def _worker(fn, rank: int, world_size: int, port: int, queue, args, kwargs) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     import torch
 
@@ -35,7 +41,11 @@ def _worker(fn, rank: int, world_size: int, port: int, queue, args, kwargs) -> N
     try:
         env = tdist.init("gloo", timeout_s=120)
         out = fn(env, *args, **kwargs)
-        queue.put((rank, "ok", out))
+        # Plain bytes: torch's queue pickler would pass tensors through shared memory
+        # that vanishes when this process exits.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report every failure to the parent, which raises it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -62,7 +72,7 @@ def run_distributed(
             if status == "error":
                 errors.append(f"rank {rank}:\n{out}")
                 break
-            results[rank] = out
+            results[rank] = torch.load(io.BytesIO(out), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout)

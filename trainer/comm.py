@@ -101,9 +101,7 @@ def _divide(t: torch.Tensor, n: int) -> Callable[[], None] | None:
 # The collectives the trainer uses.
 
 
-def all_reduce(
-    tensor: torch.Tensor, *, average: bool = False, tag: str = "", group=None
-) -> Handle:
+def all_reduce(tensor: torch.Tensor, *, average: bool = False, tag: str = "", group=None) -> Handle:
     """Sum (or average) `tensor` over ranks in place."""
     p = world_size(group)
     _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor))
@@ -143,7 +141,11 @@ def reduce(tensor: torch.Tensor, dst: int = 0, *, tag: str = "", group=None) -> 
 
 
 def gather(
-    tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int = 0, *, tag: str = "",
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None,
+    dst: int = 0,
+    *,
+    tag: str = "",
     group=None,
 ) -> Handle:
     """Rank `dst` receives every rank's `tensor` in `gather_list` (None elsewhere)."""
@@ -152,7 +154,11 @@ def gather(
 
 
 def scatter(
-    output: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int = 0, *, tag: str = "",
+    output: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None,
+    src: int = 0,
+    *,
+    tag: str = "",
     group=None,
 ) -> Handle:
     """Rank r receives `scatter_list[r]` from rank `src`."""

@@ -33,7 +33,9 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("dist.backend=nccl needs a CUDA GPU and none is visible; use gloo or auto")
+        raise ConfigError(
+            "dist.backend=nccl needs a CUDA GPU and none is visible; use gloo or auto"
+        )
     return backend
 
 

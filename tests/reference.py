@@ -1,0 +1,149 @@
+"""Shared pieces of the parity tests: tiny models, a fixed data stream, reference runs.
+
+A parity test trains the same model on the same global batches three ways: one process
+on the whole batch, our engine on P ranks (each on its slice), and torch's own DDP. The
+functions here run inside each rank (see dist_harness) or in the test process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+IN, OUT = 7, 5
+
+
+class OddMLP(nn.Module):
+    """Parameter shapes chosen so that no size divides evenly by 2, 3 or 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, 13)
+        self.fc2 = nn.Linear(13, 11)
+        self.fc3 = nn.Linear(11, OUT)
+        self.scale = nn.Parameter(torch.ones(3, 1, 1))  # odd shape, used via a broadcast
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = torch.relu(self.fc2(h))
+        return self.fc3(h) * self.scale.mean()
+
+
+class WithBuffer(OddMLP):
+    """A registered buffer that forward reads (rank 0's value must win)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("shift", torch.randn(IN))
+
+    def forward(self, x):
+        return super().forward(x + self.shift)
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, 12)
+        self.bn = nn.BatchNorm1d(12)
+        self.fc2 = nn.Linear(12, OUT)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class Unused(OddMLP):
+    """fc_unused never takes part in forward: it gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_unused = nn.Linear(IN, 3)
+
+
+MODELS = {"mlp": OddMLP, "buffer": WithBuffer, "bn": WithBatchNorm, "unused": Unused}
+
+OPTIMIZERS = {
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01),
+    "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+}
+
+
+def make_model(kind: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[kind]()
+
+
+def global_batches(steps: int, batch: int, seed: int = 1234) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, IN, generator=g), torch.randint(0, OUT, (batch,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    b = t.shape[0] // world
+    return t[rank * b : (rank + 1) * b]
+
+
+loss_fn = nn.CrossEntropyLoss()
+
+
+def train_single(kind: str, optim: str, steps: int, batch: int, accum: int = 1):
+    """One process, whole global batch: the ground truth."""
+    model = make_model(kind, seed=0)
+    opt = OPTIMIZERS[optim](model.parameters())
+    for x, y in global_batches(steps, batch):
+        for xs, ys in zip(x.chunk(accum), y.chunk(accum), strict=True):
+            (loss_fn(model(xs), ys) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_engine(
+    env, mode: str, kind: str, optim: str, steps: int, batch: int, accum: int = 1, **options
+):
+    """Our engine on this rank's slice; the model is built with a rank-dependent seed so
+    that the build-time broadcast is exercised."""
+    from trainer.parallel import build_engine
+
+    model = make_model(kind, seed=env.rank)
+    engine = build_engine(model, mode=mode, optimizer=OPTIMIZERS[optim], **options)
+    for x, y in global_batches(steps, batch):
+        xr, yr = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
+        micro = list(zip(xr.chunk(accum), yr.chunk(accum), strict=True))
+        for i, (xs, ys) in enumerate(micro):
+            if i < accum - 1:
+                with engine.no_sync():
+                    engine.backward(loss_fn(engine(xs), ys) / accum)
+            else:
+                engine.backward(loss_fn(engine(xs), ys) / accum)
+        engine.step()
+    return engine.full_state_dict()
+
+
+def train_torch_ddp(env, kind: str, optim: str, steps: int, batch: int, accum: int = 1):
+    model = nn.parallel.DistributedDataParallel(make_model(kind, seed=env.rank))
+    opt = OPTIMIZERS[optim](model.parameters())
+    for x, y in global_batches(steps, batch):
+        xr, yr = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
+        micro = list(zip(xr.chunk(accum), yr.chunk(accum), strict=True))
+        for i, (xs, ys) in enumerate(micro):
+            if i < accum - 1:
+                with model.no_sync():
+                    (loss_fn(model(xs), ys) / accum).backward()
+            else:
+                (loss_fn(model(xs), ys) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def assert_state_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(
+            got[k], want[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}"
+        )

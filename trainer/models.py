@@ -1,0 +1,208 @@
+"""Small models to train with every mode, plus the loss and metric the trainer uses.
+
+Each model keeps its repeated layers as separate submodules (a ModuleList of Linear
+layers, of conv blocks, of transformer `Block`s) because FSDP shards the model unit by
+unit: a unit is one such submodule, and a model made of one giant module could not show
+the memory saving.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+
+from trainer.errors import ConfigError
+
+# --------------------------------------------------------------------------------------
+# MLP: the default model, paired with trainer.data.synthetic_classification.
+
+
+class MLP(nn.Module):
+    """`depth` hidden Linear+ReLU layers and a Linear classification head."""
+
+    def __init__(
+        self, in_dim: int = 32, hidden: int = 128, depth: int = 3, num_classes: int = 10
+    ) -> None:
+        super().__init__()
+        if depth < 1:
+            raise ConfigError(f"MLP depth {depth} must be at least 1")
+        dims = [in_dim] + [hidden] * depth
+        # One Linear per entry so that FSDP can make each hidden layer its own unit.
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.flatten(1)  # (B, in_dim); also accepts (B, C, H, W) images
+        for layer in self.layers:
+            x = F.relu(layer(x))  # (B, hidden)
+        return self.head(x)  # (B, num_classes)
+
+
+# --------------------------------------------------------------------------------------
+# SmallCNN: conv blocks with BatchNorm, so the model has buffers (running stats) that
+# every mode must keep in step across ranks.
+
+
+class ConvBlock(nn.Module):
+    """3x3 conv -> BatchNorm -> ReLU -> 2x2 max-pool: halves H and W."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        # No conv bias: BatchNorm's shift makes it redundant.
+        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(out_channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks, global average pooling, linear head.
+
+    Global pooling makes the head independent of the image size, so the same model takes
+    28x28 MNIST (in_channels=1) and 32x32 CIFAR-10 or synthetic images (in_channels=3).
+    """
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ConvBlock(in_channels, width), ConvBlock(width, 2 * width)])
+        self.head = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)  # (B, C', H/2, W/2)
+        x = x.mean(dim=(2, 3))  # (B, 2*width)
+        return self.head(x)  # (B, num_classes)
+
+
+# --------------------------------------------------------------------------------------
+# GPT: a small nanoGPT-style decoder, paired with trainer.data.synthetic_tokens.
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ConfigError(f"GPT n_embd {n_embd} is not divisible by n_head {n_head}")
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)  # query, key, value in one matmul
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        # (B, T, C) -> (B, nh, T, hs): each head attends independently.
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+class FeedForward(nn.Module):
+    """The transformer's position-wise MLP: expand 4x, GELU, project back."""
+
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = FeedForward(n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        return x
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, `n_layer` Blocks, final LayerNorm, LM head.
+
+    `tie_weights=True` makes lm_head.weight the very same Parameter as wte.weight (as in
+    GPT-2). A tied model has fewer parameters than named modules suggest, which the
+    sharding code must handle by deduplicating parameters (`model.parameters()` does).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        block_size: int = 32,
+        n_layer: int = 2,
+        n_head: int = 2,
+        n_embd: int = 64,
+        tie_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        if tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual output projections by 1/sqrt(2 * n_layer) so the
+        # residual stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        B, T = idx.shape
+        if T > self.block_size:
+            raise ConfigError(f"sequence length {T} is longer than GPT block_size {self.block_size}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) broadcast
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+
+
+# --------------------------------------------------------------------------------------
+# torchvision
+
+
+def resnet18(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18, randomly initialised (no pretrained weights, no download)."""
+    return torchvision.models.resnet18(weights=None, num_classes=num_classes)
+
+
+# --------------------------------------------------------------------------------------
+# Loss and metric: one pair for classifiers (B, C)/(B,) and language models (B, T, V)/(B, T).
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross entropy over every prediction (every sample, or every token)."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())  # (N, C) vs (N,)
+
+
+@torch.no_grad()
+def accuracy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Fraction of predictions whose argmax is the target, as a 0-dim float tensor."""
+    pred = logits.flatten(0, -2).argmax(dim=-1)  # (N,)
+    return (pred == targets.flatten()).float().mean()

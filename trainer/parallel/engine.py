@@ -1,0 +1,117 @@
+"""The interface the training loop talks to, whatever the mode.
+
+    engine = build_engine(model, mode="ddp", optimizer=partial(AdamW, lr=1e-3))
+    loss = loss_fn(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+
+Each mode subclasses `Engine` in its own file and decides where gradients live, when
+they are communicated and what the optimizer sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer import comm
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Engine:
+    """Wraps a model for one data-parallel mode. Subclasses implement backward and step."""
+
+    name = "base"
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.world_size = comm.world_size()
+        self.rank = comm.rank()
+        # Ranks may have built the model with different seeds: rank 0's values win.
+        broadcast_tensors(list(module.parameters()) + list(module.buffers()))
+        self._buffers = [b for b in module.buffers()]
+        self._sync = True
+
+    # -- forward -------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training:
+            # As torch DDP's broadcast_buffers: running statistics follow rank 0.
+            self._broadcast_buffers()
+        return self.module(*args, **kwargs)
+
+    def _broadcast_buffers(self) -> None:
+        if self._buffers and self.world_size > 1:
+            broadcast_tensors(self._buffers)
+
+    # -- what every mode implements -----------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded state with the keys of `module.state_dict()`, as CPU copies."""
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by kind, for memory accounting from live storages.
+
+        Keys: "params", "grads", "optimizer", "comm" (buffers kept for communication).
+        Modes that keep extra storage (shards, flat buffers) override this.
+        """
+        params = list(self.module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        opt = getattr(self, "optimizer", None)
+        return {
+            "params": params,
+            "grads": grads,
+            "optimizer": optimizer_state_tensors(opt) if opt is not None else [],
+            "comm": [],
+        }
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward outside communicates."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Broadcast many tensors with one collective per dtype (packed into a flat buffer)."""
+    if comm.world_size() == 1:
+        return
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        comm.broadcast(flat, src, tag="state").wait()
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
