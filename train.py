@@ -1,0 +1,38 @@
+"""Entry point: `python train.py` or `torchrun --nproc-per-node=N train.py mode=zero`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+
+def _one_run_directory_for_all_ranks() -> None:
+    """Hydra resolves ${now:} separately in every process, so ranks could each create a
+    different run directory. Only rank 0 lets Hydra create one; the other ranks run
+    Hydra without an output directory and take rank 0's over the process group."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return
+    args = sys.argv[1:]
+    extra = [
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
+    if not any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in args):
+        extra.append("hydra.run.dir=.")
+    sys.argv += [e for e in extra if e not in args]
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from trainer.cli import run_and_exit
+
+    run_and_exit(cfg)
+
+
+if __name__ == "__main__":
+    _one_run_directory_for_all_ranks()
+    main()

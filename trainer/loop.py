@@ -1,0 +1,96 @@
+"""The training loop. It talks to the engine interface only and never branches on mode."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from trainer import comm
+from trainer import dist as tdist
+from trainer.config import engine_options, validate
+from trainer.data import make_loader
+from trainer.metrics import IntervalMetrics, Rank0Writer
+from trainer.models import accuracy, loss_fn
+from trainer.parallel import build_engine
+
+
+def shared_run_dir(env: tdist.DistEnv) -> Path:
+    """Rank 0's Hydra output directory, handed to every rank (see train.py)."""
+    obj = [HydraConfig.get().runtime.output_dir if env.is_rank0 else None]
+    comm.broadcast_object(obj)
+    return Path(obj[0])
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    try:
+        return _train(cfg, env)
+    finally:
+        tdist.shutdown()
+
+
+def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
+    validate(cfg, env.world_size)
+    run_dir = shared_run_dir(env)
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model).to(env.device)
+    dataset = instantiate(cfg.data.dataset)
+    loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
+    engine = build_engine(model, cfg.mode.name, instantiate(cfg.optim), **engine_options(cfg))
+
+    writer = Rank0Writer(run_dir, env.is_rank0)
+    writer.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
+    metrics = IntervalMetrics(env.device)
+    bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
+    last: dict[str, float] = {}
+    batches = iter(loader)
+    comm.stats.reset()
+    engine.train()
+    for step in range(1, cfg.train.steps + 1):
+        inputs, targets = (t.to(env.device, non_blocking=True) for t in next(batches))
+        t0 = time.perf_counter()
+        logits = engine(inputs)
+        loss = loss_fn(logits, targets)
+        engine.backward(loss)
+        engine.step()
+        with torch.no_grad():
+            correct = accuracy(logits, targets) * targets.numel()
+        metrics.add(loss, correct, targets.numel(), time.perf_counter() - t0)
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            values = metrics.reduce()
+            if values is not None:
+                last = values
+                writer.scalars(values, step)
+                bar.set_postfix(
+                    loss=f"{values['train/loss']:.4f}", acc=f"{values['train/accuracy']:.3f}"
+                )
+        bar.update(1)
+    bar.close()
+    final = {
+        "step": cfg.train.steps,
+        "mode": cfg.mode.name,
+        "world_size": env.world_size,
+        "run_dir": str(run_dir),
+        **last,
+    }
+    writer.final(final)
+    writer.close()
+    if env.is_rank0:
+        print(
+            f"done: {final['mode']} on {env.world_size} rank(s), step {final['step']}, "
+            f"loss {last.get('train/loss', float('nan')):.4f}, "
+            f"accuracy {last.get('train/accuracy', float('nan')):.3f}, "
+            f"{last.get('perf/samples_per_s', 0):.0f} samples/s -> {run_dir}"
+        )
+    return final
+
+
+def _run_name(cfg: DictConfig, env: tdist.DistEnv) -> str:
+    return f"{cfg.mode.name} p={env.world_size}"
