@@ -76,9 +76,9 @@ def synthetic_images(
     y = torch.randint(num_classes, (n,), generator=sample)  # (n,)
     phase = 2 * math.pi * torch.rand(n, generator=sample)  # (n,)
     coords = torch.arange(size, dtype=torch.float32) / size  # (S,)
-    u = coords.view(1, size, 1) * torch.sin(angle[y]).view(n, 1, 1) + coords.view(
-        1, 1, size
-    ) * torch.cos(angle[y]).view(n, 1, 1)  # (n, S, S) position along the grating
+    rows, cols = coords.view(1, size, 1), coords.view(1, 1, size)
+    sin, cos = torch.sin(angle[y]).view(n, 1, 1), torch.cos(angle[y]).view(n, 1, 1)
+    u = rows * sin + cols * cos  # (n, S, S) position across the grating's stripes
     wave = torch.sin(2 * math.pi * freq[y].view(n, 1, 1) * u + phase.view(n, 1, 1))  # (n, S, S)
     x = colour[y].view(n, channels, 1, 1) * wave.unsqueeze(1)  # (n, C, S, S)
     x = x + 0.5 * torch.randn(n, channels, size, size, generator=sample)
@@ -108,7 +108,9 @@ def synthetic_tokens(
 # torchvision datasets
 
 
-def _torchvision_dataset(cls: type, name: str, root: str, train: bool, download: bool, norm: Any):
+def _torchvision_dataset(
+    cls: type, name: str, root: str, train: bool, download: bool, norm: Any
+) -> Dataset:
     root = os.path.expanduser(os.fspath(root))
     tf = transforms.Compose([transforms.ToTensor(), norm])
     if download:

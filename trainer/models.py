@@ -32,7 +32,9 @@ class MLP(nn.Module):
             raise ConfigError(f"MLP depth {depth} must be at least 1")
         dims = [in_dim] + [hidden] * depth
         # One Linear per entry so that FSDP can make each hidden layer its own unit.
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True)
+        )
         self.head = nn.Linear(hidden, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -175,7 +177,9 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         B, T = idx.shape
         if T > self.block_size:
-            raise ConfigError(f"sequence length {T} is longer than GPT block_size {self.block_size}")
+            raise ConfigError(
+                f"sequence length {T} is longer than GPT block_size {self.block_size}"
+            )
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) broadcast
         for block in self.blocks:
