@@ -8,6 +8,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from trainer.cli import check_group_choices, check_run_dir, run_and_exit
+
 
 def _one_run_directory_for_all_ranks() -> None:
     """Hydra resolves ${now:} separately in every process, so ranks could each create a
@@ -28,11 +30,11 @@ def _one_run_directory_for_all_ranks() -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from trainer.cli import run_and_exit
-
     run_and_exit(cfg)
 
 
 if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
+    check_run_dir(sys.argv[1:])
     _one_run_directory_for_all_ranks()
     main()

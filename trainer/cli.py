@@ -1,22 +1,115 @@
-"""Turns the training run into a process exit: one line for bad input, no traceback."""
+"""What happens between the command line and the training loop.
+
+- Bad input ends the process with one line on stderr and exit code 2, no traceback.
+- `launcher.nproc=N` (outside torchrun) starts N local worker processes through
+  PyTorch's elastic launch API, so `python train.py -m mode=ddp,zero,fsdp
+  launcher.nproc=2` runs each mode as its own multi-process job, one after the other.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import uuid
+from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainingError
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("mode", "model", "data", "optim")
+
+
+def fail(message: str, code: int = 2) -> None:
+    # Every rank sees the same bad input; one line from rank 0 is enough.
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def check_group_choices(args: list[str]) -> None:
+    """Unknown mode/model/data/optim: one line listing the valid choices (Hydra's own
+    message spans a dozen lines and mentions its search path)."""
+    try:
+        overrides = OverridesParser.create().parse_overrides(
+            [a for a in args if not a.startswith("-")]
+        )
+    except Exception as e:  # Hydra's parser error already names the bad override
+        fail(str(e).splitlines()[0])
+    for o in overrides:
+        if o.key_or_group not in GROUPS:
+            continue
+        choices = sorted(p.stem for p in (CONF_DIR / o.key_or_group).glob("*.yaml"))
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        for v in values:
+            if str(v) not in choices:
+                fail(f"{o.key_or_group}={v} is not one of {', '.join(choices)}")
+
+
+def check_run_dir(args: list[str]) -> None:
+    """A run directory that cannot be created: one line, before Hydra tries (its own
+    failure is a traceback). Rank 0 only: it alone creates the directory."""
+    if int(os.environ.get("RANK", "0")) != 0 or any(a in ("-m", "--multirun") for a in args):
+        return
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "config", overrides=[a for a in args if not a.startswith("-")], return_hydra_config=True
+        )
+    path = Path(cfg.hydra.run.dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"run directory {path} cannot be created: {existing} is not a writable directory")
 
 
 def run_and_exit(cfg: DictConfig) -> None:
+    if cfg.launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch_workers(cfg)
     from trainer.loop import train
 
     try:
         train(cfg)
     except ConfigError as e:
-        # Every rank sees the same bad input; one line from rank 0 is enough.
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
+    except TrainingError as e:
+        fail(str(e), code=1)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):  # raised inside a model/dataset builder
+            fail(str(e.__cause__))
+        raise
+
+
+def _launch_workers(cfg: DictConfig) -> None:
+    """Run this job as `cfg.launcher.nproc` local processes (torchrun --standalone)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The workers speak for themselves; the agent's own failure log would repeat them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    hc = HydraConfig.get()
+    overrides = [o for o in hc.overrides.task if not o.startswith("hydra.run.dir=")]
+    # Workers write into the directory Hydra made for this job (a sweep's subdirectory
+    # in multirun), so every mode of a sweep lands beside the others.
+    args = [str(Path(sys.argv[0]).resolve()), *overrides, f"hydra.run.dir={hc.runtime.output_dir}"]
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.launcher.nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=cfg.launcher.max_restarts,
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*args)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        if 2 in codes:  # bad input: the workers' rank 0 has already said what
+            sys.exit(2)
+        fail(f"{hc.job.name} workers failed with exit code(s) {codes}; see their messages above")

@@ -87,11 +87,12 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group)
 
 
-def _launch(op: str, tag: str, nbytes: float) -> None:
+def _launch(op: str, tag: str, nbytes: float, account: bool = True) -> None:
     if delay_s:
         time.sleep(delay_s)
-    stats.bytes_sent[op] += nbytes
-    stats.calls[op] += 1
+    if account:
+        stats.bytes_sent[op] += nbytes
+        stats.calls[op] += 1
     record(f"launch:{op}", tag)
 
 
@@ -103,10 +104,18 @@ def _divide(t: torch.Tensor, n: int) -> Callable[[], None] | None:
 # The collectives the trainer uses.
 
 
-def all_reduce(tensor: torch.Tensor, *, average: bool = False, tag: str = "", group=None) -> Handle:
-    """Sum (or average) `tensor` over ranks in place."""
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    average: bool = False,
+    tag: str = "",
+    account: bool = True,
+    group=None,
+) -> Handle:
+    """Sum (or average) `tensor` over ranks in place. `account=False` keeps small control
+    messages out of the training traffic figures."""
     p = world_size(group)
-    _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor))
+    _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor), account)
     work = dist.all_reduce(tensor, group=group, async_op=True)
     return Handle(work, _divide(tensor, p) if average else None)
 

@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """Bad configuration or input. The message names the value and what would be valid."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the message names the step."""

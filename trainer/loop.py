@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from trainer import comm
 from trainer import dist as tdist
 from trainer.config import engine_options, validate
 from trainer.data import make_loader
+from trainer.errors import TrainingError
+from trainer.memory import MemoryMonitor
 from trainer.metrics import IntervalMetrics, Rank0Writer
 from trainer.models import accuracy, loss_fn
 from trainer.parallel import build_engine
@@ -29,6 +32,9 @@ def shared_run_dir(env: tdist.DistEnv) -> Path:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
+    # Check the config before joining the group: every rank then fails alike, and none
+    # leaves a peer stuck in the group's set-up.
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
         return _train(cfg, env)
@@ -37,7 +43,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
-    validate(cfg, env.world_size)
     run_dir = shared_run_dir(env)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(env.device)
@@ -47,10 +52,11 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
 
     writer = Rank0Writer(run_dir, env.is_rank0)
     writer.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
-    metrics = IntervalMetrics(env.device)
+    metrics = IntervalMetrics(env.device, memory=MemoryMonitor(engine))
     bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
     last: dict[str, float] = {}
     batches = iter(loader)
+    skipped = 0
     comm.stats.reset()
     engine.train()
     for step in range(1, cfg.train.steps + 1):
@@ -59,13 +65,22 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         logits = engine(inputs)
         loss = loss_fn(logits, targets)
         engine.backward(loss)
-        engine.step()
-        with torch.no_grad():
-            correct = accuracy(logits, targets) * targets.numel()
-        metrics.add(loss, correct, targets.numel(), time.perf_counter() - t0)
+        if loss_is_finite_everywhere(loss):
+            engine.step()
+            with torch.no_grad():
+                correct = accuracy(logits, targets) * targets.numel()
+            metrics.add(loss, correct, targets.numel(), time.perf_counter() - t0)
+        elif cfg.train.on_nonfinite == "skip":
+            engine.zero_grad()  # drop this step's gradients on every rank alike
+            skipped += 1
+        else:
+            raise TrainingError(
+                f"loss is not finite at step {step}; lower optim.lr, or set "
+                "train.on_nonfinite=skip to skip such steps"
+            )
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             values = metrics.reduce()
-            if values is not None:
+            if values:  # rank 0, with at least one step that was not skipped
                 last = values
                 writer.scalars(values, step)
                 bar.set_postfix(
@@ -77,9 +92,12 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         "step": cfg.train.steps,
         "mode": cfg.mode.name,
         "world_size": env.world_size,
+        "skipped_steps": skipped,
         "run_dir": str(run_dir),
         **last,
     }
+    if cfg.train.save_final:
+        save_final_model(engine, run_dir / "final_model.pt", env.is_rank0)
     writer.final(final)
     writer.close()
     if env.is_rank0:
@@ -90,6 +108,22 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
             f"{last.get('perf/samples_per_s', 0):.0f} samples/s -> {run_dir}"
         )
     return final
+
+
+def loss_is_finite_everywhere(loss: torch.Tensor) -> bool:
+    """Every rank must agree to step or not, else their collectives stop matching."""
+    bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)
+    comm.all_reduce(bad, tag="nonfinite", account=False).wait()
+    return bad.item() == 0
+
+
+def save_final_model(engine, path: Path, is_rank0: bool) -> None:
+    """The full model state_dict, loadable with plain torch.load(weights_only=True)."""
+    state = engine.full_state_dict()  # a collective in sharded modes: every rank calls it
+    if is_rank0:
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # never a half-written file under the final name
 
 
 def _run_name(cfg: DictConfig, env: tdist.DistEnv) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from trainer import comm
+from trainer.memory import MemoryMonitor, bandwidth
 
 # Order of the packed tensor reduced to rank 0 (one collective per logging interval).
 _FIELDS = (
@@ -25,8 +26,9 @@ _FIELDS = (
 class IntervalMetrics:
     """Sums this rank's figures between two logging points."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, memory: MemoryMonitor | None = None):
         self.device = device
+        self.memory = memory  # per-rank memory figures, gathered at the same points
         self._sums = dict.fromkeys(_FIELDS, 0.0)
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int, step_time_s: float):
@@ -47,12 +49,15 @@ class IntervalMetrics:
         ).to(self.device)
         comm.stats.reset()
         comm.reduce(packed, dst=0, tag="metrics").wait()
-        comm.stats.reset()  # the metrics reduce itself is not training traffic
+        memory = self.memory.gather() if self.memory is not None else {}  # one Gather
+        comm.stats.reset()  # the metrics reduce and gather are not training traffic
         steps_local = self._sums["steps"]
         self._sums = dict.fromkeys(_FIELDS, 0.0)
         if comm.rank() != 0:
             return None
         s = dict(zip(_FIELDS, packed.tolist(), strict=True))
+        if s["samples"] == 0:  # every step of the interval was skipped
+            return {}
         p = comm.world_size()
         out = {
             "train/loss": s["loss_sum"] / s["samples"],
@@ -67,6 +72,9 @@ class IntervalMetrics:
         out["comm/overlap_pct"] = 100.0 * (1 - exposed / busy) if busy > 0 else 0.0
         for op, nbytes in bytes_per_op.items():
             out[f"comm/bytes_per_step/{op}"] = nbytes / steps_local
+        out["comm/bytes_per_step/total"] = sum(bytes_per_op.values()) / steps_local
+        out.update(bandwidth(bytes_per_op, busy, p))  # comm/algbw_GBps, comm/busbw_GBps
+        out.update(memory)
         return out
 
 

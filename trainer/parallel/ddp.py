@@ -96,5 +96,8 @@ class DDPEngine(Engine):
 
     def step(self) -> None:
         self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
         for b in self.buckets:
-            b.grad.zero_()
+            b.grad.zero_()  # in place: every .grad stays a view into its bucket

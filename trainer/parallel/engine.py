@@ -58,6 +58,10 @@ class Engine:
     def step(self) -> None:
         raise NotImplementedError
 
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients without stepping (e.g. a skipped non-finite step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded state with the keys of `module.state_dict()`, as CPU copies."""
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}

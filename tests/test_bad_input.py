@@ -1,0 +1,77 @@
+"""Every row of the README's bad-input table: exit code and the one-line message."""
+
+from __future__ import annotations
+
+import pytest
+from test_cli import run_cli
+
+CASES = [
+    # (overrides, ranks (None: plain python), exit code, text the one error line holds)
+    (["mode=foo"], None, 2, "mode=foo is not one of ddp"),
+    (["model=nope"], None, 2, "model=nope is not one of cnn, gpt, mlp, resnet18"),
+    (["data=imagenet"], None, 2, "data=imagenet is not one of"),
+    (["optim=lion"], None, 2, "optim=lion is not one of adamw, sgd"),
+    (["-m", "mode=ddp,bogus"], None, 2, "mode=bogus is not one of"),
+    (["train.batch_size=7"], 2, 2, "train.batch_size=7 is not divisible by world size 2"),
+    (["train.steps=0"], None, 2, "train.steps=0 must be a positive number"),
+    (["train.batch_size=-8"], None, 2, "train.batch_size=-8 must be a positive number"),
+    (["optim.lr=-1"], None, 2, "optim.lr=-1 must be a positive number"),
+    (["optim.lr=0"], None, 2, "optim.lr=0 must be a positive number"),
+    (["mode.bucket_mb=0"], None, 2, "mode.bucket_mb=0 must be a positive number"),
+    (["dist.backend=nccl"], None, 2, "dist.backend=nccl needs a CUDA GPU"),
+    (["dist.backend=mpi"], None, 2, "dist.backend='mpi' is not one of auto, gloo, nccl"),
+    (["optim=sgd", "optim.lr=1e20"], None, 1, "loss is not finite at step"),
+]
+
+
+@pytest.mark.parametrize("args, ranks, code, needle", CASES, ids=lambda v: str(v))
+def test_bad_input_gets_one_line(tmp_path, args, ranks, code, needle):
+    # Several ranks go through launcher.nproc: torchrun would add its own failure report.
+    extra = [f"launcher.nproc={ranks}"] if ranks else []
+    if not any(a.startswith("train.steps=") for a in args):
+        extra.append("train.steps=5")
+    proc = run_cli([*args, *extra, f"run.root={tmp_path}"], nproc=None)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_dataset_missing_with_download_off(tmp_path):
+    proc = run_cli(
+        [
+            "model=cnn",
+            "data=cifar10",
+            f"data.root={tmp_path / 'none'}",
+            f"run.root={tmp_path}",
+            "train.steps=2",
+        ],
+        nproc=None,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert str(tmp_path / "none") in line and "data.download=true" in line
+
+
+def test_run_dir_not_writable(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    proc = run_cli([f"run.root={blocker / 'runs'}", "train.steps=2"], nproc=None)
+    assert proc.returncode == 2
+    [line] = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert "is not a writable directory" in line and str(blocker) in line
+    assert blocker.read_text() == "keep me"  # nothing written over
+
+
+def test_nonfinite_loss_can_be_skipped(tmp_path):
+    proc = run_cli(
+        [
+            "optim=sgd",
+            "optim.lr=1e20",
+            "train.on_nonfinite=skip",
+            f"run.root={tmp_path}",
+            "train.steps=6",
+        ],
+        nproc=None,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
