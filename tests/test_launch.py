@@ -1,0 +1,93 @@
+"""Launching the way users do: two simulated nodes, and a sweep over modes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_harness import free_port
+from test_cli import ROOT, TORCHRUN, run_cli
+
+COMMON = ["mode=ddp", "train.steps=8", "train.log_every=4", "model.hidden=32"]
+
+
+def _final_model(root) -> dict:
+    [path] = list(root.glob("*/final_model.pt"))
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.slow
+def test_two_nodes_match_one_node_of_four(tmp_path):
+    """Two torchrun launchers, --nnodes=2 with c10d rendezvous on localhost, 2 ranks each,
+    end with the same parameters as one launcher with 4 ranks."""
+    port = free_port()
+    node = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=two-nodes",
+        str(ROOT / "train.py"),
+        *COMMON,
+        f"run.root={tmp_path / 'two'}",
+    ]
+    launchers = [
+        subprocess.Popen(
+            node, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in launchers]
+    assert [p.returncode for p in launchers] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+
+    one = subprocess.run(
+        [
+            *TORCHRUN,
+            "--nproc-per-node=4",
+            str(ROOT / "train.py"),
+            *COMMON,
+            f"run.root={tmp_path / 'one'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    two, four = _final_model(tmp_path / "two"), _final_model(tmp_path / "one")
+    assert two.keys() == four.keys()
+    for k in four:
+        torch.testing.assert_close(two[k], four[k], atol=1e-6, rtol=1e-5)
+    [run_dir] = list((tmp_path / "two").iterdir())  # one directory for both nodes
+    assert json.loads((run_dir / "final_metrics.json").read_text())["world_size"] == 4
+
+
+@pytest.mark.slow
+def test_sweep_runs_each_mode_as_its_own_job(tmp_path):
+    modes = ["ddp", "zero", "fsdp"]
+    proc = run_cli(
+        [
+            "-m",
+            f"mode={','.join(modes)}",
+            "launcher.nproc=2",
+            "train.steps=6",
+            "train.log_every=3",
+            f"run.root={tmp_path}",
+        ],
+        nproc=None,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [sweep] = list(tmp_path.iterdir())
+    finals = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/final_metrics.json"))]
+    assert sorted(f["mode"] for f in finals) == sorted(modes)
+    assert all(f["world_size"] == 2 for f in finals)
+    assert sorted(
+        p.parent.name.rsplit("_", 1)[0] for p in sweep.glob("*/final_metrics.json")
+    ) == sorted(f"{m}_p2" for m in modes)
