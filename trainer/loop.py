@@ -22,6 +22,7 @@ from trainer.memory import MemoryMonitor
 from trainer.metrics import IntervalMetrics, Rank0Writer
 from trainer.models import accuracy, loss_fn
 from trainer.parallel import build_engine
+from trainer.profiling import maybe_profile
 
 
 def shared_run_dir(env: tdist.DistEnv) -> Path:
@@ -59,34 +60,36 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     skipped = 0
     comm.stats.reset()
     engine.train()
-    for step in range(1, cfg.train.steps + 1):
-        inputs, targets = (t.to(env.device, non_blocking=True) for t in next(batches))
-        t0 = time.perf_counter()
-        logits = engine(inputs)
-        loss = loss_fn(logits, targets)
-        engine.backward(loss)
-        if loss_is_finite_everywhere(loss):
-            engine.step()
-            with torch.no_grad():
-                correct = accuracy(logits, targets) * targets.numel()
-            metrics.add(loss, correct, targets.numel(), time.perf_counter() - t0)
-        elif cfg.train.on_nonfinite == "skip":
-            engine.zero_grad()  # drop this step's gradients on every rank alike
-            skipped += 1
-        else:
-            raise TrainingError(
-                f"loss is not finite at step {step}; lower optim.lr, or set "
-                "train.on_nonfinite=skip to skip such steps"
-            )
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            values = metrics.reduce()
-            if values:  # rank 0, with at least one step that was not skipped
-                last = values
-                writer.scalars(values, step)
-                bar.set_postfix(
-                    loss=f"{values['train/loss']:.4f}", acc=f"{values['train/accuracy']:.3f}"
+    with maybe_profile(cfg.profile, run_dir, env.rank) as prof:
+        for step in range(1, cfg.train.steps + 1):
+            inputs, targets = (t.to(env.device, non_blocking=True) for t in next(batches))
+            t0 = time.perf_counter()
+            logits = engine(inputs)
+            loss = loss_fn(logits, targets)
+            engine.backward(loss)
+            if loss_is_finite_everywhere(loss):
+                engine.step()
+                with torch.no_grad():
+                    correct = accuracy(logits, targets) * targets.numel()
+                metrics.add(loss, correct, targets.numel(), time.perf_counter() - t0)
+            elif cfg.train.on_nonfinite == "skip":
+                engine.zero_grad()  # drop this step's gradients on every rank alike
+                skipped += 1
+            else:
+                raise TrainingError(
+                    f"loss is not finite at step {step}; lower optim.lr, or set "
+                    "train.on_nonfinite=skip to skip such steps"
                 )
-        bar.update(1)
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                values = metrics.reduce()
+                if values:  # rank 0, with at least one step that was not skipped
+                    last = values
+                    writer.scalars(values, step)
+                    bar.set_postfix(
+                        loss=f"{values['train/loss']:.4f}", acc=f"{values['train/accuracy']:.3f}"
+                    )
+            bar.update(1)
+            prof.step()
     bar.close()
     final = {
         "step": cfg.train.steps,
