@@ -1,0 +1,193 @@
+"""Memory and traffic accounting: hand-computed bytes per mode, formulas, the Gather."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dist_harness import run_distributed
+
+from trainer.memory import bandwidth, expected, expected_traffic, measure
+from trainer.parallel import ENGINES
+
+# Tiny MLP(in_dim=3, hidden=5, depth=2, num_classes=3), Ψ = 68:
+#   layers.0  Linear(3, 5)  15 + 5 = 20
+#   layers.1  Linear(5, 5)  25 + 5 = 30
+#   head      Linear(5, 3)  15 + 3 = 18
+# Six parameter tensors; AdamW keeps exp_avg and exp_avg_sq (2 x 4 bytes per element)
+# plus one 0-d float32 `step` per parameter tensor it steps (4 bytes each).
+TINY = dict(in_dim=3, hidden=5, depth=2, num_classes=3)
+OPTIONS = {
+    "ddp": {},  # one 25 MB bucket
+    "zero": {},
+    # layers.1 (30 >= 25 params) becomes a unit; the root keeps layers.0 and head (38)
+    "fsdp": {"min_unit_params": 25},
+}
+
+
+def _bytes(params: int, grads: int, optimizer: int, comm: int = 0) -> dict[str, int]:
+    return {"params": params, "grads": grads, "optimizer": optimizer, "comm": comm}
+
+
+# Bytes per rank right after the optimizer step, counted by hand.
+HAND = {
+    # Every rank: 6 params (68 x 4), one gradient bucket (68 x 4) that every .grad views
+    # into, 2 x 68 x 4 of moments + 6 step counters.
+    ("ddp", 2): _bytes(272, 272, 544 + 24),
+    ("ddp", 4): _bytes(272, 272, 544 + 24),
+    # One flat bucket of full params, 68 elements, already a multiple of 2 and 4; rank r
+    # keeps the (68/P,) mean gradient of its slice and moments for it, one step counter.
+    ("zero", 2): _bytes(272, 34 * 4, 2 * 34 * 4 + 4),
+    ("zero", 4): _bytes(272, 17 * 4, 2 * 17 * 4 + 4),
+    # Flat units padded to a multiple of P; rank r keeps one shard of each.
+    # P=2: root 38 -> shard 19, layers.1 30 -> shard 15: 34 elements.
+    ("fsdp", 2): _bytes(34 * 4, 34 * 4, 2 * 34 * 4 + 2 * 4),
+    # P=4: root 38 -> 40 -> shard 10, layers.1 30 -> 32 -> shard 8: 18 elements.
+    ("fsdp", 4): _bytes(18 * 4, 18 * 4, 2 * 18 * 4 + 2 * 4),
+}
+
+# A model where the formulas dominate (Ψ = 142,602): measured within 10% of them.
+MEDIUM = dict(in_dim=32, hidden=256, depth=3, num_classes=10)
+MEDIUM_OPTIONS = {"ddp": {}, "zero": {}, "fsdp": {"min_unit_params": 50_000}}
+
+
+def _one_step(env, mode: str, sizes: dict, options: dict):
+    from functools import partial
+
+    from trainer.memory import MemoryMonitor
+    from trainer.models import MLP
+    from trainer.parallel import build_engine
+
+    torch.manual_seed(0)
+    engine = build_engine(MLP(**sizes), mode, partial(torch.optim.AdamW, lr=1e-3), **options)
+    monitor = MemoryMonitor(engine)
+    g = torch.Generator().manual_seed(env.rank)
+    x = torch.randn(4, sizes["in_dim"], generator=g)
+    y = torch.randint(0, sizes["num_classes"], (4,), generator=g)
+    engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+    engine.step()
+    return engine, monitor
+
+
+def _account(env, modes: list[str]):
+    from trainer import comm
+
+    out = {}
+    for mode in modes:
+        _, monitor = _one_step(env, mode, TINY, OPTIONS[mode])
+        comm.stats.reset()
+        tiny = monitor.gather()
+        gathers = dict(comm.stats.calls)
+        _, monitor = _one_step(env, mode, MEDIUM, MEDIUM_OPTIONS[mode])
+        medium = monitor.gather()
+        out[mode] = {"tiny": tiny, "gathers": gathers, "medium": medium}
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def accounted(request):
+    modes = [m for m in ("ddp", "zero", "fsdp") if m in ENGINES]
+    return request.param, run_distributed(_account, request.param, modes)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_accounting_equals_hand_computed_bytes(accounted, mode):
+    world, results = accounted
+    if mode not in ENGINES:
+        pytest.skip(f"mode={mode} is not registered")
+    figures = results[0][mode]["tiny"]
+    for kind, want in HAND[mode, world].items():
+        for r in range(world):
+            assert figures[f"memory/{kind}_bytes/rank{r}"] == want, (kind, r)
+        assert figures[f"memory/{kind}_bytes/max"] == want
+    state = sum(HAND[mode, world][k] for k in ("params", "grads", "optimizer"))
+    assert figures["memory/model_state_bytes/max"] == state
+    assert figures["memory/peak_bytes/max"] > state  # the whole process, on CPU
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_measured_model_state_within_10pct_of_formula(accounted, mode):
+    world, results = accounted
+    if mode not in ENGINES:
+        pytest.skip(f"mode={mode} is not registered")
+    figures = results[0][mode]["medium"]
+    psi = 32 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 10 + 10
+    formula = {"ddp": 16 * psi, "zero": 4 * psi + 12 * psi / world, "fsdp": 16 * psi / world}
+    assert figures["memory/expected/model_state_bytes"] == pytest.approx(formula[mode])
+    measured = figures["memory/model_state_bytes/max"]
+    assert abs(measured / formula[mode] - 1) < 0.10, (measured, formula[mode])
+    traffic = {"ddp": 2, "zero": 2, "fsdp": 3}[mode] * (world - 1) / world * psi * 4
+    assert figures["comm/expected_bytes_per_step"] == pytest.approx(traffic)
+
+
+def test_one_gather_brings_every_rank_to_rank0(accounted):
+    world, results = accounted
+    for mode, res in results[0].items():
+        assert res["gathers"] == {"gather": 1}, mode  # one collective, nothing else
+        assert {f"memory/params_bytes/rank{r}" for r in range(world)} <= res["tiny"].keys()
+    for r in range(1, world):
+        assert all(res["tiny"] == {} for res in results[r].values())
+
+
+def _gather_distinct(env):
+    from trainer.memory import FIELDS, gather_to_rank0
+
+    return gather_to_rank0(
+        {f: 1000 * env.rank + i for i, f in enumerate(FIELDS)}, torch.device("cpu")
+    )
+
+
+def test_gather_keeps_each_ranks_values_apart():
+    from trainer.memory import FIELDS
+
+    rows = run_distributed(_gather_distinct, 2)
+    assert rows[1] is None
+    assert rows[0] == [{f: 1000 * r + i for i, f in enumerate(FIELDS)} for r in range(2)]
+
+
+# ---------------------------------------------------------------------------------------
+# Single process: de-duplication, formulas, bandwidth.
+
+
+def test_measure_counts_each_storage_once_in_its_first_kind():
+    flat = torch.zeros(10)  # 40 bytes
+    views = [flat[:4], flat[4:]]
+    own = torch.zeros(3, dtype=torch.float64)  # 24 bytes
+    freed = torch.zeros(100)
+    freed.untyped_storage().resize_(0)
+    engine = SimpleNamespace(
+        state_tensors=lambda: {
+            "params": [*views, freed],
+            "grads": [flat, own],  # flat already counted as params
+            "optimizer": [own, torch.zeros(2, dtype=torch.int8)],
+            "comm": [views[1]],
+        }
+    )
+    got = measure(engine)
+    assert {k: got[k] for k in ("params", "grads", "optimizer", "comm")} == _bytes(40, 24, 2, 0)
+    assert got["model_state"] == 66 and got["peak"] > 0
+
+
+def test_expected_formulas_adjust_for_dtype_and_optimizer():
+    psi, p = 1000, 4
+    fp32_adamw = {m: expected(m, psi, p, 4, 4, 8)["model_state"] for m in ("ddp", "zero", "fsdp")}
+    assert fp32_adamw == {"ddp": 16 * psi, "zero": 4 * psi + 12 * psi / p, "fsdp": 16 * psi / p}
+    sgd_bf16 = expected("zero", psi, p, 2, 2, 2)  # bf16 params and momentum
+    assert (sgd_bf16["params"], sgd_bf16["grads"], sgd_bf16["optimizer"]) == (2000, 500, 500)
+    assert expected("fsdp", psi, p, 4, 4, 8, unit_bytes=123)["working_set"] == 4000 + 123
+    assert expected_traffic("ddp", psi, 4, p) == 2 * 3 / 4 * 4000
+    assert expected_traffic("zero", psi, 4, p) == 2 * 3 / 4 * 4000
+    assert expected_traffic("fsdp", psi, 4, p) == 3 * 3 / 4 * 4000
+    assert expected_traffic("fsdp", psi, 4, 1) == 0
+
+
+def test_bandwidth_uses_nccl_tests_factors():
+    # 4 ranks: an AllReduce of N = 8 GB sends 2*3/4*N = 12 GB per rank.
+    bw = bandwidth({"all_reduce": 12e9}, seconds=2.0, world_size=4)
+    assert bw["comm/busbw_GBps"] == pytest.approx(6.0)
+    assert bw["comm/algbw_GBps"] == pytest.approx(4.0)  # 8 GB / 2 s
+    mixed = bandwidth({"reduce_scatter": 3e9, "all_gather": 3e9}, 1.0, 4)
+    assert mixed["comm/algbw_GBps"] == pytest.approx(8.0)
+    assert mixed["comm/busbw_GBps"] == pytest.approx(6.0)
+    assert bandwidth({}, 1.0, 4) == {} and bandwidth({"all_reduce": 1.0}, 0.0, 4) == {}

@@ -1,0 +1,281 @@
+"""Memory and traffic accounting: what each rank actually holds, next to what the
+formulas of the mode predict.
+
+    monitor = MemoryMonitor(engine)   # measures after every optimizer step
+    figures = monitor.gather()        # every rank calls it: one Gather to rank 0
+
+[Note: what is measured, and when]
+`measure()` adds up the live storages behind `engine.state_tensors()`, by kind (params,
+grads, optimizer, comm). A storage is counted once, by its `nbytes`, in the first kind
+that reaches it (order params, grads, optimizer, comm): ddp's per-parameter `.grad`
+views into one bucket count as that bucket; a freed fsdp buffer (storage resized to 0)
+counts as nothing. The monitor measures from an optimizer step post-hook, the moment
+when parameters, gradients and optimizer state all exist (fsdp drops its gradient
+shards right after the step), and keeps the per-kind maximum over the logging interval.
+Transient buffers that live only inside forward/backward (fsdp's gathered units) are
+not in that snapshot; the peak is: `torch.cuda.max_memory_allocated` on GPU, the
+resident set size high-water mark (VmHWM) on CPU, which also holds the Python process,
+the torch libraries and activations.
+
+[Note: the expected figures]
+Per rank, for Ψ parameters of b bytes and an optimizer keeping k bytes per parameter
+(read from its state after the first step: AdamW fp32 k=8, SGD with momentum k=4):
+
+    ddp   params Ψb     grads Ψb     optimizer Ψk       (fp32 AdamW: 16Ψ)
+    zero  params Ψb     grads Ψb/P   optimizer Ψk/P     (4Ψ + 12Ψ/P)
+    fsdp  params Ψb/P   grads Ψb/P   optimizer Ψk/P     (16Ψ/P), plus while a step runs
+          the full params and grads of the root unit and of two units in flight
+
+Traffic per rank per step, ring algorithms: ddp 2(P-1)/P·Ψb (AllReduce), zero
+(P-1)/P·Ψb + (P-1)/P·Ψb (ReduceScatter, AllGather), fsdp 3(P-1)/P·Ψb (AllGather twice,
+ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
+multiple of P, so their measured figures can be a few elements above.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer import comm
+
+KINDS = ("params", "grads", "optimizer", "comm")
+# Order of the packed tensor gathered to rank 0 (one Gather per logging interval).
+FIELDS = (*KINDS, "model_state", "peak")
+
+
+# ---------------------------------------------------------------------------------------
+# Measured
+
+
+def measure(engine: Any) -> dict[str, int]:
+    """Bytes this rank holds per kind, from live storages, plus model_state and peak."""
+    tensors = engine.state_tensors()
+    seen: set[tuple[str, int]] = set()
+    out: dict[str, int] = {}
+    device = torch.device("cpu")
+    for kind in KINDS:
+        total = 0
+        for t in tensors.get(kind, []):
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in seen:  # freed, or counted in an earlier kind
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+            device = t.device
+        out[kind] = total
+    out["model_state"] = out["params"] + out["grads"] + out["optimizer"]
+    out["peak"] = peak_bytes(device)
+    return out
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPU, RSS high-water mark on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:  123456 kB"
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, kB else
+
+
+def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer) -> float | None:
+    """Bytes of optimizer state per parameter element, read from the state it keeps
+    (None before the first step). Only tensors shaped like their parameter count: the
+    0-d `step` counters are a few bytes per tensor, not per element."""
+    state_bytes, numel = 0, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            numel += p.numel()
+            state_bytes += sum(
+                v.numel() * v.element_size()
+                for v in state.values()
+                if torch.is_tensor(v) and v.numel() == p.numel() and v.dim() > 0
+            )
+    return state_bytes / numel if numel else None
+
+
+# ---------------------------------------------------------------------------------------
+# Expected
+
+
+def _fsdp_unit_bytes(engine: Any) -> int:
+    """Full params and grads of the root unit (gathered from forward through backward) and
+    of the two largest other units (one computing, one prefetched or being reduced)."""
+    units = getattr(engine, "units", [])
+    if not units:
+        return 0
+    root = units[0].nbytes if units[0].params else 0
+    others = sorted((u.nbytes for u in units[1:]), reverse=True)
+    return 2 * (root + sum(others[:2]))
+
+
+@dataclass(frozen=True)
+class ModeShape:
+    """How a mode lays model state over P ranks and what it sends per step."""
+
+    sharded: frozenset[str]  # kinds divided by P
+    traffic: float  # ring bytes sent per rank per step, in units of (P-1)/P · Ψb
+    unit_bytes: Callable[[Any], int] | None = None  # transient working set, if any
+
+
+# Keyed by `Engine.name`: the only place that knows the modes apart.
+MODES: dict[str, ModeShape] = {
+    "ddp": ModeShape(frozenset(), 2.0),
+    "zero": ModeShape(frozenset({"grads", "optimizer"}), 2.0),
+    "fsdp": ModeShape(frozenset({"params", "grads", "optimizer"}), 3.0, _fsdp_unit_bytes),
+}
+
+
+def expected(
+    mode: str,
+    numel: int,
+    world_size: int,
+    param_bytes: int,
+    grad_bytes: int,
+    optimizer_state_per_param_bytes: float,
+    unit_bytes: int = 0,
+) -> dict[str, float]:
+    """Model-state bytes per rank the formulas predict (see [Note: the expected figures]).
+
+    `working_set` adds `unit_bytes`, the full units fsdp holds while a step runs."""
+    shape = MODES[mode]
+    full = {
+        "params": numel * param_bytes,
+        "grads": numel * grad_bytes,
+        "optimizer": numel * optimizer_state_per_param_bytes,
+    }
+    out = {k: v / world_size if k in shape.sharded else float(v) for k, v in full.items()}
+    out["model_state"] = out["params"] + out["grads"] + out["optimizer"]
+    out["working_set"] = out["model_state"] + unit_bytes
+    return out
+
+
+def expected_traffic(mode: str, numel: int, bytes_per_elem: int, world_size: int) -> float:
+    """Bytes each rank sends per step under the ring model."""
+    p = world_size
+    return MODES[mode].traffic * (p - 1) / p * numel * bytes_per_elem
+
+
+# nccl-tests bus bandwidth factors: busbw = algbw x factor.
+def bus_factor(op: str, world_size: int) -> float:
+    p = world_size
+    if op == "all_reduce":
+        return 2 * (p - 1) / p
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (p - 1) / p
+    return 1.0
+
+
+def bandwidth(bytes_per_op: dict[str, float], seconds: float, world_size: int) -> dict[str, float]:
+    """algbw and busbw in GB/s, as nccl-tests defines them.
+
+    `bytes_per_op` are the bytes each rank sent (comm.stats, ring model), which is what
+    busbw measures: busbw = sent / time. algbw = data size / time, where each op's data
+    size is its bytes sent divided by its bus factor."""
+    sent = {op: b for op, b in bytes_per_op.items() if b > 0}
+    if seconds <= 0 or not sent:
+        return {}
+    alg = sum(b / bus_factor(op, world_size) for op, b in sent.items())
+    return {
+        "comm/algbw_GBps": alg / seconds / 1e9,
+        "comm/busbw_GBps": sum(sent.values()) / seconds / 1e9,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Per rank, every logging interval
+
+
+def gather_to_rank0(values: dict[str, int], device: torch.device) -> list[dict[str, int]] | None:
+    """Every rank's `values` (keys FIELDS) to rank 0 with one Gather; None elsewhere."""
+    packed = torch.tensor([int(values[f]) for f in FIELDS], dtype=torch.int64, device=device)
+    is_root = comm.rank() == 0
+    rows = [torch.empty_like(packed) for _ in range(comm.world_size())] if is_root else None
+    comm.gather(packed, rows, dst=0, tag="memory").wait()
+    if not is_root:
+        return None
+    return [dict(zip(FIELDS, r.tolist(), strict=True)) for r in rows]
+
+
+class MemoryMonitor:
+    """Measures this rank after each optimizer step; `gather()` brings every rank's figures
+    and the expected ones to rank 0 as TensorBoard scalars."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        params = list(engine.module.parameters())
+        self.numel = sum(p.numel() for p in params)  # Ψ, unsharded, tied params once
+        self.param_bytes = params[0].element_size() if params else 4
+        self.device = params[0].device if params else torch.device("cpu")
+        self._high: dict[str, int] | None = None  # per-kind maximum since the last gather
+        optimizer = getattr(engine, "optimizer", None)
+        if optimizer is not None:
+            optimizer.register_step_post_hook(lambda *_: self.update())
+
+    def update(self) -> None:
+        now = measure(self.engine)
+        self._high = (
+            now if self._high is None else {k: max(v, self._high[k]) for k, v in now.items()}
+        )
+
+    def expected(self) -> dict[str, float] | None:
+        """This engine's formula figures; None for an unknown mode or before the first step."""
+        shape = MODES.get(self.engine.name)
+        optimizer = getattr(self.engine, "optimizer", None)
+        k = optimizer_bytes_per_param(optimizer) if optimizer is not None else None
+        if shape is None or k is None:
+            return None
+        units = shape.unit_bytes(self.engine) if shape.unit_bytes else 0
+        p = self.engine.world_size
+        return expected(
+            self.engine.name, self.numel, p, self.param_bytes, self.param_bytes, k, units
+        )
+
+    def expected_traffic(self) -> float | None:
+        if self.engine.name not in MODES:
+            return None
+        return expected_traffic(
+            self.engine.name, self.numel, self.param_bytes, self.engine.world_size
+        )
+
+    def gather(self) -> dict[str, float]:
+        """Collective: every rank calls it. Rank 0 gets per-rank, max and expected figures
+        (`memory/<kind>_bytes/rank<r>`, `.../max`, `memory/expected/<kind>_bytes`); the
+        other ranks get {}."""
+        if self._high is None:  # no optimizer step in this interval
+            self.update()
+        local, self._high = self._high, None
+        local["peak"] = peak_bytes(self.device)  # the high-water mark up to now
+        rows = gather_to_rank0(local, self.device)
+        if rows is None:
+            return {}
+        out: dict[str, float] = {}
+        for f in FIELDS:
+            for r, row in enumerate(rows):
+                out[f"memory/{f}_bytes/rank{r}"] = row[f]
+            out[f"memory/{f}_bytes/max"] = max(row[f] for row in rows)
+        exp = self.expected()
+        if exp is not None:
+            for k, v in exp.items():
+                out[f"memory/expected/{k}_bytes"] = v
+            measured = out["memory/model_state_bytes/max"]
+            out["memory/model_state_gap_pct"] = 100.0 * (measured / exp["model_state"] - 1)
+        traffic = self.expected_traffic()
+        if traffic is not None:
+            out["comm/expected_bytes_per_step"] = traffic
+        return out
