@@ -82,7 +82,20 @@ def _account(env, modes: list[str]):
         _, monitor = _one_step(env, mode, MEDIUM, MEDIUM_OPTIONS[mode])
         medium = monitor.gather()
         out[mode] = {"tiny": tiny, "gathers": gathers, "medium": medium}
+    out["logged"] = _logged(env)
     return out
+
+
+def _logged(env):
+    """What the training loop's interval reduce hands to TensorBoard, on rank 0."""
+    from trainer import comm
+    from trainer.metrics import IntervalMetrics
+
+    comm.stats.reset()
+    engine, monitor = _one_step(env, "ddp", TINY, {})  # one step: one AllReduce counted
+    metrics = IntervalMetrics(torch.device("cpu"), memory=monitor)
+    metrics.add(torch.tensor(1.0), torch.tensor(2.0), 4, step_time_s=0.1)
+    return metrics.reduce()
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -121,13 +134,35 @@ def test_measured_model_state_within_10pct_of_formula(accounted, mode):
     assert figures["comm/expected_bytes_per_step"] == pytest.approx(traffic)
 
 
+def test_interval_metrics_log_memory_and_traffic(accounted):
+    world, results = accounted
+    logged = results[0]["logged"]
+    for tag in (
+        "memory/params_bytes/rank0",
+        f"memory/model_state_bytes/rank{world - 1}",
+        "memory/model_state_bytes/max",
+        "memory/peak_bytes/max",
+        "memory/expected/optimizer_bytes",
+        "comm/expected_bytes_per_step",
+        "comm/bytes_per_step/total",
+        "comm/algbw_GBps",
+        "comm/busbw_GBps",
+    ):
+        assert tag in logged, sorted(logged)
+    # the step's AllReduce, as the ring model expects (the initial broadcast aside)
+    assert logged["comm/bytes_per_step/all_reduce"] == logged["comm/expected_bytes_per_step"]
+    assert all(r["logged"] is None for r in results[1:])
+
+
 def test_one_gather_brings_every_rank_to_rank0(accounted):
     world, results = accounted
     for mode, res in results[0].items():
+        if mode == "logged":
+            continue
         assert res["gathers"] == {"gather": 1}, mode  # one collective, nothing else
         assert {f"memory/params_bytes/rank{r}" for r in range(world)} <= res["tiny"].keys()
     for r in range(1, world):
-        assert all(res["tiny"] == {} for res in results[r].values())
+        assert all(res["tiny"] == {} for m, res in results[r].items() if m != "logged")
 
 
 def _gather_distinct(env):
