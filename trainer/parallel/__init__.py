@@ -9,8 +9,10 @@ from torch import nn
 from trainer.errors import ConfigError
 from trainer.parallel.ddp import DDPEngine
 from trainer.parallel.engine import Engine, OptimizerFactory
+from trainer.parallel.zero import ZeroEngine
 
 ENGINES: dict[str, type[Engine]] = {"ddp": DDPEngine}
+ENGINES["zero"] = ZeroEngine
 
 
 def build_engine(

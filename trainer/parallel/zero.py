@@ -1,0 +1,205 @@
+"""mode=zero (ZeRO-2): full parameters everywhere; gradients and optimizer state sharded.
+
+Parameters are grouped into buckets of about `bucket_mb` in reverse registration order,
+as in ddp. Each bucket keeps its parameters end to end in one flat buffer padded to a
+multiple of the world size P, and every parameter's `.data` is a view into it. Rank r
+owns the contiguous slice [r*S, (r+1)*S) of each buffer (S = padded size / P); that slice
+is wrapped as an `nn.Parameter` sharing the buffer's storage, and the optimizer is built
+over these shard parameters only, so its state is 1/P of the model's.
+
+One training step:
+
+    backward   a post-accumulate-grad hook copies each gradient into its bucket's flat
+               gradient buffer and drops the autograd `.grad`. A complete bucket is
+               ReduceScattered (averaged) at once, overlapping the rest of backward;
+               each rank keeps the (S,) mean of its slice as its shard's `.grad` and
+               the full (padded,) bucket buffer is freed. [Note: bounded buckets]
+    step       the optimizer updates the shards in place, i.e. this rank's slice of the
+               flat parameter buffers; an in-place AllGather per bucket then brings
+               every rank's updated slice into the full parameters.
+
+Model-state memory per rank with fp32 AdamW: 4Ψ (params) + 4Ψ/P (grads) + 8Ψ/P
+(optimizer) bytes, plus at most `_MAX_IN_FLIGHT + 1` full bucket buffers during backward
+and none after it. Padding elements get zero gradients, so SGD and Adam(W) keep them at
+zero; no parameter views them, so they never reach the model either way.
+
+Build the engine after moving the model to its device: `.to()` would replace the views.
+Since every bucket's shard is one tensor to the optimizer, per-parameter options (param
+groups, e.g. no weight decay for biases) are not available in this mode.
+
+[Note: bounded buckets]
+ZeRO-2 that keeps every full bucket until backward ends peaks at a full gradient copy and
+saves nothing. Launching bucket i therefore first finishes (waits for and frees) the
+oldest bucket if more than `_MAX_IN_FLIGHT` are in flight: a double buffer, so backward
+blocks only when communication falls two buckets behind. The remaining buckets are
+finished in one place, `backward()`, after autograd returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from trainer import comm
+from trainer.flat import FlatLayout, bucketize
+from trainer.parallel.engine import Engine, OptimizerFactory, optimizer_state_tensors
+
+_MAX_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
+
+
+class _Bucket:
+    def __init__(self, index: int, params: Sequence[nn.Parameter], world_size: int, rank: int):
+        self.index = index
+        self.params = list(params)
+        self.layout = FlatLayout.of(self.params, world_size)
+        p0 = self.params[0]
+        # (padded,) the full parameters; zero padding at the end.
+        self.flat = torch.zeros(self.layout.padded_numel, dtype=p0.dtype, device=p0.device)
+        with torch.no_grad():
+            self.layout.copy_in(self.flat, self.params)
+        for p, view in zip(self.params, self.layout.views(self.flat), strict=True):
+            p.data = view  # the AllGather after the step writes the parameters in place
+        n = self.layout.shard_size(world_size)
+        self.shard_data = self.flat[rank * n : (rank + 1) * n]  # (S,) this rank's slice
+        # The optimizer's view of the slice: same storage, no extra copy of the params.
+        self.shard = nn.Parameter(self.shard_data)
+        self.slot = {id(p): i for i, p in enumerate(self.params)}
+        self.grad: torch.Tensor | None = None  # (padded,) filled during backward, then freed
+        self.reduced: torch.Tensor | None = None  # (S,) ReduceScatter output in flight
+        self.handle: comm.Handle | None = None
+        self.pending = len(self.params)
+
+    def grad_slot(self, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s place in the flat gradient buffer (allocated on first use), shaped like p."""
+        if self.grad is None:
+            # zeros: padding and parameters that get no gradient must reduce to zero
+            self.grad = torch.zeros_like(self.flat)
+        i = self.slot[id(p)]
+        o = self.layout.offsets[i]
+        return self.grad[o : o + p.numel()].view_as(p)
+
+
+class ZeroEngine(Engine):
+    name = "zero"
+
+    def __init__(self, module: nn.Module, optimizer: OptimizerFactory, bucket_mb: float = 25.0):
+        super().__init__(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self.buckets = [
+            _Bucket(i, ps, self.world_size, self.rank)
+            for i, ps in enumerate(bucketize(params, int(bucket_mb * 2**20)))
+        ]
+        self._ready: set[int] = set()
+        self._next = 0  # first bucket not yet launched
+        self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._hook(b))
+        self.optimizer = optimizer([b.shard for b in self.buckets])
+
+    # -- backward: gradients into buckets, buckets ReduceScattered into shards -------------
+    def _hook(self, bucket: _Bucket):
+        def on_grad_ready(p: nn.Parameter) -> None:
+            if not self._sync:
+                return  # no_sync: autograd keeps accumulating the full gradient in p.grad
+            if id(p) in self._ready:
+                raise RuntimeError(
+                    f"parameter {self._names[id(p)]!r} received its gradient twice in one "
+                    "backward; zero reduces each gradient once per backward"
+                )
+            self._ready.add(id(p))
+            bucket.grad_slot(p).copy_(p.grad)
+            p.grad = None  # frees autograd's full-size gradient
+            bucket.pending -= 1
+            self._launch_ready()
+
+        return on_grad_ready
+
+    def _launch_ready(self, force: bool = False) -> None:
+        # Strictly in bucket order, so that every rank issues the same collectives.
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.pending and not force:
+                return
+            for p in b.params:
+                if id(p) not in self._ready:
+                    # No gradient in this backward: reduce what no_sync accumulated, or zero.
+                    slot = b.grad_slot(p)
+                    if p.grad is not None:
+                        slot.copy_(p.grad)
+                        p.grad = None
+            b.reduced = torch.empty_like(b.shard_data)
+            b.handle = comm.reduce_scatter(b.reduced, b.grad, average=True, tag=f"bucket{b.index}")
+            self._in_flight.append(b)
+            self._next += 1
+            if len(self._in_flight) > _MAX_IN_FLIGHT:  # [Note: bounded buckets]
+                self._finish(self._in_flight.pop(0))
+
+    def _finish(self, b: _Bucket) -> None:
+        b.handle.wait()
+        if b.shard.grad is None:
+            b.shard.grad = b.reduced
+        else:  # several synced backwards before a step accumulate, as in torch
+            b.shard.grad.add_(b.reduced)
+        # Dropping the handle too: an in-flight op may hold references to its buffers.
+        b.grad = b.reduced = b.handle = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if not self._sync:
+            return
+        # Buckets still pending hold parameters that got no gradient in this backward.
+        self._launch_ready(force=True)
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
+        for b in self.buckets:
+            b.pending = len(b.params)
+        self._ready.clear()
+        self._next = 0
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward outside reduces them.
+
+        Memory cost: while inside, autograd keeps a full-size `.grad` on every parameter
+        (4Ψ bytes in fp32, as in ddp) on top of the sharded state, until the next synced
+        backward copies each into its bucket and frees it.
+        """
+        with super().no_sync():
+            yield
+
+    # -- step: update the shards, AllGather them into the full parameters ------------------
+    def step(self) -> None:
+        self.optimizer.step()
+        self.zero_grad()
+        # Launch all, then wait all: the AllGathers overlap each other. Each rank's input
+        # is its own slice of the output buffer, so the gather runs in place.
+        handles = [
+            comm.all_gather(b.flat, b.shard_data, tag=f"bucket{b.index}") for b in self.buckets
+        ]
+        comm.wait_all(handles)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.module.parameters():
+            p.grad = None  # left by a no_sync backward that was never synced
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Params are the flat buffers (model params and shards are views of them); grads
+        are the shard grads, live bucket buffers and any `.grad` left by no_sync."""
+        in_buckets = {id(p) for b in self.buckets for p in b.params}
+        model = list(self.module.parameters())
+        frozen = [p for p in model if id(p) not in in_buckets]
+        shard_grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
+        bucket_grads = [b.grad for b in self.buckets if b.grad is not None]
+        local_grads = [p.grad for p in model if p.grad is not None]
+        return {
+            "params": [b.flat for b in self.buckets] + frozen,
+            "grads": shard_grads + bucket_grads + local_grads,
+            "optimizer": optimizer_state_tensors(self.optimizer),
+            "comm": [b.reduced for b in self.buckets if b.reduced is not None],
+        }
