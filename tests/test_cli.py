@@ -51,11 +51,18 @@ def train_and_check(tmp_path: Path, args: list[str], nproc: int | None = 2):
 
 
 def test_torchrun_ddp_two_ranks_one_run_dir(tmp_path):
-    run_dir, final, values = train_and_check(tmp_path, ["mode=ddp", "train.steps=40"])
+    run_dir, final, values = train_and_check(
+        tmp_path, ["mode=ddp", "train.steps=40", "profile=true"]
+    )
     assert final["world_size"] == 2 and final["mode"] == "ddp"
     assert run_dir.name.endswith("_ddp_p2")
     assert "comm/bytes_per_step/all_reduce" in values
     assert len(list(run_dir.glob("events.out.tfevents*"))) == 1  # rank 0 alone writes
+    # profile=true: a Chrome trace per rank, with the collectives in it
+    for rank in (0, 1):
+        trace = json.loads((run_dir / "traces" / f"rank{rank}.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert "gloo:all_reduce" in names
 
 
 def test_plain_python_is_world_size_one(tmp_path):
