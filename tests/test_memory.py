@@ -55,13 +55,15 @@ MEDIUM_OPTIONS = {"ddp": {}, "zero": {}, "fsdp": {"min_unit_params": 50_000}}
 def _one_step(env, mode: str, sizes: dict, options: dict):
     from functools import partial
 
-    from trainer.memory import MemoryMonitor
+    from trainer.memory import MemoryMonitor, count_params
     from trainer.models import MLP
     from trainer.parallel import build_engine
 
     torch.manual_seed(0)
-    engine = build_engine(MLP(**sizes), mode, partial(torch.optim.AdamW, lr=1e-3), **options)
-    monitor = MemoryMonitor(engine)
+    model = MLP(**sizes)
+    psi = count_params(model)
+    engine = build_engine(model, mode, partial(torch.optim.AdamW, lr=1e-3), **options)
+    monitor = MemoryMonitor(engine, psi)
     g = torch.Generator().manual_seed(env.rank)
     x = torch.randn(4, sizes["in_dim"], generator=g)
     y = torch.randint(0, sizes["num_classes"], (4,), generator=g)

@@ -18,7 +18,7 @@ from trainer import dist as tdist
 from trainer.config import engine_options, validate
 from trainer.data import make_loader
 from trainer.errors import TrainingError
-from trainer.memory import MemoryMonitor
+from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer
 from trainer.models import accuracy, loss_fn
 from trainer.parallel import build_engine
@@ -47,13 +47,14 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     run_dir = shared_run_dir(env)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(env.device)
+    psi = count_params(model)  # before fsdp takes the parameters apart
     dataset = instantiate(cfg.data.dataset)
     loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
     engine = build_engine(model, cfg.mode.name, instantiate(cfg.optim), **engine_options(cfg))
 
     writer = Rank0Writer(run_dir, env.is_rank0)
     writer.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
-    metrics = IntervalMetrics(env.device, memory=MemoryMonitor(engine))
+    metrics = IntervalMetrics(env.device, memory=MemoryMonitor(engine, psi))
     bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
     last: dict[str, float] = {}
     batches = iter(loader)

@@ -1,7 +1,9 @@
 """Memory and traffic accounting: what each rank actually holds, next to what the
 formulas of the mode predict.
 
-    monitor = MemoryMonitor(engine)   # measures after every optimizer step
+    psi = count_params(model)                # before build_engine (see MemoryMonitor)
+    engine = build_engine(model, ...)
+    monitor = MemoryMonitor(engine, psi)     # measures after every optimizer step
     figures = monitor.gather()        # every rank calls it: one Gather to rank 0
 
 [Note: what is measured, and when]
@@ -55,6 +57,11 @@ FIELDS = (*KINDS, "model_state", "peak")
 
 def measure(engine: Any) -> dict[str, int]:
     """Bytes this rank holds per kind, from live storages, plus model_state and peak."""
+    held, device = _held(engine)
+    return {**held, "peak": peak_bytes(device)}
+
+
+def _held(engine: Any) -> tuple[dict[str, int], torch.device]:
     tensors = engine.state_tensors()
     seen: set[tuple[str, int]] = set()
     out: dict[str, int] = {}
@@ -71,8 +78,7 @@ def measure(engine: Any) -> dict[str, int]:
             device = t.device
         out[kind] = total
     out["model_state"] = out["params"] + out["grads"] + out["optimizer"]
-    out["peak"] = peak_bytes(device)
-    return out
+    return out, device
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -88,6 +94,11 @@ def peak_bytes(device: torch.device) -> int:
         pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, kB else
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Ψ: elements in the model's parameters, each shared (tied) parameter once."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer) -> float | None:
@@ -214,12 +225,15 @@ def gather_to_rank0(values: dict[str, int], device: torch.device) -> list[dict[s
 
 class MemoryMonitor:
     """Measures this rank after each optimizer step; `gather()` brings every rank's figures
-    and the expected ones to rank 0 as TensorBoard scalars."""
+    and the expected ones to rank 0 as TensorBoard scalars.
 
-    def __init__(self, engine: Any):
+    `numel` is Ψ, counted with `count_params(model)` before the model is wrapped: fsdp
+    points the module's parameters at empty tensors while they are sharded."""
+
+    def __init__(self, engine: Any, numel: int):
         self.engine = engine
         params = list(engine.module.parameters())
-        self.numel = sum(p.numel() for p in params)  # Ψ, unsharded, tied params once
+        self.numel = numel
         self.param_bytes = params[0].element_size() if params else 4
         self.device = params[0].device if params else torch.device("cpu")
         self._high: dict[str, int] | None = None  # per-kind maximum since the last gather
@@ -228,7 +242,7 @@ class MemoryMonitor:
             optimizer.register_step_post_hook(lambda *_: self.update())
 
     def update(self) -> None:
-        now = measure(self.engine)
+        now, _ = _held(self.engine)  # the peak is read once, at gather time
         self._high = (
             now if self._high is None else {k: max(v, self._high[k]) for k, v in now.items()}
         )
