@@ -147,3 +147,104 @@ def assert_state_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 
         torch.testing.assert_close(
             got[k], want[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}"
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Bigger model kinds for the sharded modes: a small GPT (several blocks, tied or not) on
+# tokens and resnet18 on small images, each with its own data; MLP kinds keep theirs.
+
+VOCAB, SEQ = 17, 8
+
+
+def _gpt(tie: bool) -> nn.Module:
+    from trainer.models import GPT
+
+    return GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=3, n_head=3, n_embd=15, tie_weights=tie)
+
+
+def _resnet18() -> nn.Module:
+    from trainer.models import resnet18
+
+    return resnet18(num_classes=OUT)
+
+
+MODELS.update(
+    gpt=functools.partial(_gpt, False), gpt_tied=functools.partial(_gpt, True), resnet18=_resnet18
+)
+
+
+def batches(kind: str, steps: int, batch: int, seed: int = 1234) -> list[tuple[torch.Tensor, ...]]:
+    """`global_batches` for the MLP kinds; tokens for the GPTs, 3x16x16 images for resnet."""
+    g = torch.Generator().manual_seed(seed)
+    if kind.startswith("gpt"):
+        return [
+            tuple(torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(2))
+            for _ in range(steps)
+        ]
+    if kind == "resnet18":
+        return [
+            (
+                torch.randn(batch, 3, 16, 16, generator=g),
+                torch.randint(0, OUT, (batch,), generator=g),
+            )
+            for _ in range(steps)
+        ]
+    return global_batches(steps, batch, seed)
+
+
+def any_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over every prediction: (B, C) vs (B,) or (B, T, V) vs (B, T)."""
+    return nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def train_single_any(kind: str, optim: str, steps: int, batch: int, accum: int = 1) -> dict:
+    """`train_single` for every kind in MODELS."""
+    model = make_model(kind, seed=0)
+    opt = OPTIMIZERS[optim](model.parameters())
+    for x, y in batches(kind, steps, batch):
+        for xs, ys in zip(x.chunk(accum), y.chunk(accum), strict=True):
+            (any_loss(model(xs), ys) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_rank(env, kind, steps, batch, accum, forward, backward, no_sync, step) -> None:
+    for x, y in batches(kind, steps, batch):
+        xr, yr = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
+        micro = list(zip(xr.chunk(accum), yr.chunk(accum), strict=True))
+        for i, (xs, ys) in enumerate(micro):
+            if i < accum - 1:
+                with no_sync():
+                    backward(any_loss(forward(xs), ys) / accum)
+            else:
+                backward(any_loss(forward(xs), ys) / accum)
+        step()
+
+
+def train_engine_and_torch_ddp(
+    env, mode: str, kind: str, optim: str, steps: int, batch: int, accum: int = 1, **options
+) -> tuple[dict, dict]:
+    """Our engine, then torch DDP, in one process group; returns both final state_dicts.
+    Both build the model with a rank-dependent seed, so their initial broadcasts matter."""
+    from trainer.parallel import build_engine
+
+    engine = build_engine(
+        make_model(kind, seed=env.rank), mode=mode, optimizer=OPTIMIZERS[optim], **options
+    )
+    _train_rank(
+        env, kind, steps, batch, accum, engine, engine.backward, engine.no_sync, engine.step
+    )
+    ours = engine.full_state_dict()
+
+    ddp = nn.parallel.DistributedDataParallel(make_model(kind, seed=env.rank))
+    opt = OPTIMIZERS[optim](ddp.parameters())
+
+    def ddp_step() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    _train_rank(
+        env, kind, steps, batch, accum, ddp, lambda loss: loss.backward(), ddp.no_sync, ddp_step
+    )
+    return ours, {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}

@@ -9,9 +9,11 @@ from torch import nn
 from trainer.errors import ConfigError
 from trainer.parallel.ddp import DDPEngine
 from trainer.parallel.engine import Engine, OptimizerFactory
+from trainer.parallel.fsdp import FSDPEngine
 from trainer.parallel.zero import ZeroEngine
 
 ENGINES: dict[str, type[Engine]] = {"ddp": DDPEngine}
+ENGINES["fsdp"] = FSDPEngine
 ENGINES["zero"] = ZeroEngine
 
 

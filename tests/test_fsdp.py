@@ -1,0 +1,243 @@
+"""mode=fsdp: unit policy, parity with one process and torch DDP, prefetch order and
+memory mid-step, no_sync accumulation, full_state_dict, config."""
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from omegaconf import OmegaConf
+from reference import (
+    OPTIMIZERS,
+    any_loss,
+    assert_state_close,
+    batches,
+    make_model,
+    train_engine_and_torch_ddp,
+    train_single_any,
+)
+from torch import nn
+
+from trainer.flat import FlatLayout
+from trainer.models import GPT, MLP
+from trainer.parallel.fsdp import FSDPEngine
+from trainer.parallel.units import plan_units
+
+STEPS, BATCH = 2, 8
+# OddMLP: fc1 (104 params), fc2 (154) and fc3 (60) become units; `scale` stays in the root.
+MLP_UNITS = {"unit_classes": [], "min_unit_params": 50}
+# GPT: the Blocks by class; wte and lm_head (255 each) by size, unless they are tied.
+GPT_UNITS = {"min_unit_params": 250}
+
+
+def _unit_names(model, **options):
+    return [u.name for u in plan_units(model, **options)]
+
+
+# -- unit policy (no processes) -----------------------------------------------------------
+
+
+def test_units_by_class_and_by_size():
+    gpt = make_model("gpt", seed=0)
+    assert _unit_names(gpt) == ["", "blocks.0", "blocks.1", "blocks.2"]
+    root = plan_units(gpt)[0]
+    assert [n for n, _ in root.params] == [
+        "wte.weight",
+        "wpe.weight",
+        "ln_f.weight",
+        "ln_f.bias",
+        "lm_head.weight",
+    ]
+    assert _unit_names(gpt, **GPT_UNITS) == ["", "wte", "blocks.0", "blocks.1"] + [
+        "blocks.2",
+        "lm_head",
+    ]
+    resnet = make_model("resnet18", seed=0)
+    blocks = [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert _unit_names(resnet) == [""] + blocks
+    assert {n.split(".")[0] for n, _ in plan_units(resnet)[0].params} == {"conv1", "bn1", "fc"}
+    # A ModuleList has no forward of its own, so its layers become units one by one.
+    mlp = MLP(in_dim=32, hidden=16, depth=3)
+    assert _unit_names(mlp, min_unit_params=100) == ["", "layers.0", "layers.1", "layers.2"] + [
+        "head"
+    ]
+    assert _unit_names(mlp) == [""]  # 1.4k parameters: below the default threshold
+    # Configured by class name, as conf/mode/fsdp.yaml does.
+    assert _unit_names(gpt, unit_classes=["FeedForward"], min_unit_params=10**9) == [""] + [
+        f"blocks.{i}.mlp" for i in range(3)
+    ]
+
+
+def test_tied_and_shared_parameters_go_to_the_common_unit():
+    tied = make_model("gpt_tied", seed=0)
+    plan = plan_units(tied, **GPT_UNITS)
+    # wte and lm_head both reach the one tied weight: it moves to the root and the two
+    # units, left empty, are dropped.
+    assert [u.name for u in plan] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert any(p is tied.wte.weight for _, p in plan[0].params)
+
+    # A module registered under two units (16 params, too small to be a unit itself).
+    shared = nn.Linear(4, 4, bias=False)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(4, 4), shared), nn.Sequential(shared, nn.Linear(4, 8))
+    )
+    plan = plan_units(model, unit_classes=[], min_unit_params=30)
+    assert [u.name for u in plan] == ["", "0", "1.1"]
+    assert [n for n, _ in plan[0].params] == ["0.1.weight"]
+    assert sum(len(u.params) for u in plan) == len(list(model.parameters()))
+
+
+def test_mode_config_matches_the_constructor():
+    cfg = OmegaConf.load(Path(__file__).parent.parent / "conf/mode/fsdp.yaml")
+    assert cfg.name == "fsdp"
+    accepted = inspect.signature(FSDPEngine).parameters
+    assert set(cfg) - {"name"} <= set(accepted)
+
+
+# -- parity -------------------------------------------------------------------------------
+
+
+def _pads(kind: str, world: int, options: dict) -> bool:
+    options = {k: v for k, v in options.items() if k in ("unit_classes", "min_unit_params")}
+    plan = plan_units(make_model(kind, seed=0), **options)
+    layouts = [FlatLayout.of([p for _, p in u.params], world) for u in plan]
+    return any(lay.padded_numel > lay.numel for lay in layouts)
+
+
+@pytest.mark.parametrize(
+    "world,kind,reshard,options",
+    [
+        (1, "mlp", True, MLP_UNITS),
+        (2, "mlp", False, MLP_UNITS),
+        (4, "mlp", True, MLP_UNITS),
+        (1, "gpt", True, {}),
+        (2, "gpt", False, GPT_UNITS),
+        (2, "gpt_tied", True, GPT_UNITS),
+        (4, "gpt_tied", False, {}),
+    ],
+)
+def test_parity_with_single_process_and_torch_ddp(world, kind, reshard, options):
+    if world > 1:
+        assert _pads(kind, world, options)  # some unit's flat buffer carries padding
+    want = train_single_any(kind, "adamw", STEPS, BATCH)
+    out = run_distributed(
+        train_engine_and_torch_ddp,
+        world,
+        "fsdp",
+        kind,
+        "adamw",
+        STEPS,
+        BATCH,
+        reshard_after_forward=reshard,
+        **options,
+    )
+    for got, ref in out:
+        assert_state_close(got, want)  # keys equal model.state_dict()'s, tied ones included
+        assert_state_close(got, ref)
+        assert_state_close(got, out[0][0], atol=0, rtol=0)  # every rank holds the same model
+
+
+@pytest.mark.parametrize("world,reshard", [(1, False), (2, True)])
+def test_resnet18_batchnorm_follows_torch_ddp(world, reshard):
+    # Per-rank BatchNorm statistics differ from one process on the whole batch, so the
+    # reference is torch DDP, which also broadcasts buffers from rank 0 every forward.
+    out = run_distributed(
+        train_engine_and_torch_ddp,
+        world,
+        "fsdp",
+        "resnet18",
+        "sgd",
+        STEPS,
+        BATCH,
+        reshard_after_forward=reshard,
+    )
+    for got, ref in out:
+        assert_state_close(got, ref)
+
+
+def test_no_sync_accumulation_equals_big_batch():
+    want = train_single_any("mlp", "adamw", STEPS, 24)
+    out = run_distributed(
+        train_engine_and_torch_ddp, 2, "fsdp", "mlp", "adamw", STEPS, 24, accum=3, **MLP_UNITS
+    )
+    for got, ref in out:
+        assert_state_close(got, want)
+        assert_state_close(got, ref)
+
+
+# -- prefetch order and memory ------------------------------------------------------------
+
+
+def _one_step_traced(env):
+    from trainer import comm
+    from trainer.errors import ConfigError
+    from trainer.parallel import build_engine
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=17, block_size=8, n_layer=4, n_head=2, n_embd=16)
+    engine = build_engine(model, "fsdp", optimizer=OPTIMIZERS["adamw"])
+    units = engine.units[1:]
+    seen = []  # (phase, running unit, tags of units holding full parameters)
+
+    def measure(phase, i):
+        assert all(p.untyped_storage().nbytes() > 0 for p in units[i].params)
+        seen.append((phase, units[i].tag, [u.tag for u in units if u.is_full]))
+
+    def in_backward(i):  # a hook on the attention output: runs inside unit i's backward
+        def hook(module, args, out):
+            if out.requires_grad:
+                out.register_hook(lambda grad: measure("backward", i))
+
+        return hook
+
+    for i, block in enumerate(model.blocks):  # hooks inside unit i, around its attention
+        block.attn.register_forward_pre_hook(lambda m, a, i=i: measure("forward", i))
+        block.attn.register_forward_hook(in_backward(i))
+    x, y = batches("gpt", 1, 4)[0]
+    comm.trace = []
+    engine.backward(any_loss(engine(x), y))
+    events, comm.trace = comm.trace, None
+    engine.step()
+
+    with torch.no_grad():  # eval: gathers and frees unit by unit (measured too), no backward
+        engine.eval()(x)
+    left_full = [u.tag for u in engine.units if u.is_full]
+    keys_equal = list(engine.full_state_dict()) == list(model.state_dict())
+    frozen = GPT(vocab_size=17, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    frozen.blocks[0].ln_1.weight.requires_grad_(False)
+    try:
+        build_engine(frozen, "fsdp", optimizer=OPTIMIZERS["adamw"])
+        frozen_error = ""
+    except ConfigError as e:
+        frozen_error = str(e)
+    return len(units), seen, events, left_full, keys_equal, frozen_error
+
+
+def test_prefetch_order_and_at_most_two_units_gathered():
+    n, seen, events, left_full, keys_equal, frozen_error = run_distributed(_one_step_traced, 2)[0]
+    assert n == 4
+    assert [(phase, tag) for phase, tag, _ in seen[: 2 * n]] == [
+        ("forward", f"unit{i}") for i in range(n)
+    ] + [("backward", f"unit{i}") for i in reversed(range(n))]
+    for phase, tag, full in seen:
+        assert tag in full and len(full) <= 2, (phase, tag, full)
+        i = int(tag[4:])
+        nxt = i + 1 if phase == "forward" else i - 1
+        if 0 <= nxt < n:
+            assert f"unit{nxt}" in full, (phase, tag, full)  # prefetched, in flight or done
+
+    def first(event, start=0):
+        return events.index(event, start)
+
+    end_forward = first(("forward_end", "root"))
+    for i in range(n - 1):  # unit i+1's AllGather is issued before unit i's compute ends
+        assert first(("launch:all_gather", f"unit{i + 1}")) < first(("forward_end", f"unit{i}"))
+    for i in range(1, n):  # backward: unit i-1's AllGather before unit i's grads are ready
+        gather = first(("launch:all_gather", f"unit{i - 1}"), end_forward)
+        assert gather < first(("grads_ready", f"unit{i}")), events
+    # the last unit's ReduceScatter is in flight while earlier units compute their backward
+    assert first(("launch:reduce_scatter", f"unit{n - 1}")) < first(("backward_begin", "unit0"))
+    assert left_full == []
+    assert keys_equal
+    assert "blocks.0.ln_1.weight" in frozen_error

@@ -1,0 +1,283 @@
+"""mode=fsdp (ZeRO-3): each rank stores 1/P of every unit's parameters, gradients and
+optimizer state; a unit's full parameters exist only while it runs.
+
+The model is cut into units (one per transformer block / residual block / large
+submodule, see units.py); the root unit holds what is left. Each unit's parameters are
+laid end to end in one flat buffer, padded to a multiple of P (flat.py), and rank r keeps
+only its slice [r*S, (r+1)*S) as an `nn.Parameter`: the optimizer steps those shards.
+
+    forward of unit i:   AllGather(unit i) -> compute -> free (reshard_after_forward)
+                         the AllGather of unit i+1 is already in flight meanwhile
+    backward of unit i:  AllGather(unit i) again -> compute -> grads into one flat buffer
+                         -> ReduceScatter(average) into the shard's .grad -> free
+                         the AllGather of unit i-1 is already in flight meanwhile
+
+Memory per rank with fp32 AdamW: 16Ψ/P for shards, their grads and optimizer state, plus
+the full parameters and gradients of at most two units (the one computing, the prefetched
+one), plus the root unit's, which like FSDP2's root stays gathered from forward through
+backward: it runs first and last, so freeing it in between would only re-gather it (its
+parameters are gathered once per step, not twice). `reshard_after_forward=False` keeps
+every unit gathered from its forward until its backward: full parameters of the whole
+model at the peak, one AllGather per unit and step fewer. `no_sync()` keeps each unit's
+full gradients on its module parameters across micro-batches: the full gradients of the
+whole model (4Ψ in fp32) until the synced backward reduces them.
+Buffers (BatchNorm statistics) stay replicated and follow rank 0 as in ddp. Tied
+parameters live in the unit enclosing all their uses (units.py).
+
+Use `engine(x)`, `engine.backward(loss)` (not `loss.backward()`: it finishes the step's
+communication) and `engine.full_state_dict()` (a collective). Between steps the module's
+parameters are empty tensors: count them before building the engine.
+
+[Note: parameters as views of one storage]
+Module parameters stay registered (the same objects autograd knows as leaves) with their
+values in one persistent flat buffer per unit, `full`. Resharding frees its storage
+(`untyped_storage().resize_(0)`) and points each parameter at an empty tensor, so code
+touching a freed parameter fails on its shape instead of reading freed memory.
+Unsharding re-allocates the storage, AllGathers into it and points each parameter back at
+its view (`p.data = view`). Autograd saves parameters and views of them (`w.t()`) during
+forward; they share that storage, so they are valid again once the unit is gathered
+before its backward, while between forward and backward the memory is really free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from trainer import comm
+from trainer.errors import ConfigError
+from trainer.flat import FlatLayout
+from trainer.parallel.engine import Engine, OptimizerFactory, optimizer_state_tensors
+from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
+
+
+class _Unit:
+    def __init__(self, tag: str, plan: UnitPlan, world_size: int, rank: int):
+        self.tag, self.name, self.module = tag, plan.name or "<root>", plan.module
+        self.names = [n for n, _ in plan.params]
+        self.params = [p for _, p in plan.params]
+        if len({(p.dtype, p.device) for p in self.params}) > 1:
+            raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {self.names}")
+        self.layout = FlatLayout.of(self.params, world_size)
+        like = self.params[0] if self.params else torch.empty(0)
+        n, s = self.layout.padded_numel, self.layout.shard_size(world_size)
+        self.full = torch.zeros(n, dtype=like.dtype, device=like.device)  # (P*S,)
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.layout.copy_in(self.full, [p.detach() for p in self.params])
+        self.shard = nn.Parameter(self.full[rank * s : (rank + 1) * s].clone())  # (S,)
+        self.views = self.layout.views(self.full)  # [Note: parameters as views of one storage]
+        self.empty = self.full.new_empty(0)
+        self.full.untyped_storage().resize_(0)
+        for p in self.params:
+            p.data = self.empty
+        self.gather: comm.Handle | None = None  # AllGather in flight into self.full
+        self.ready = 0  # parameters whose gradient arrived in this backward
+        self.done = False  # gradients handled in this backward
+
+    @property
+    def is_full(self) -> bool:  # gathered, or being gathered
+        return self.full.untyped_storage().nbytes() > 0
+
+
+class FSDPEngine(Engine):
+    name = "fsdp"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: OptimizerFactory,
+        reshard_after_forward: bool = True,
+        unit_classes: Sequence[str] | None = None,
+        min_unit_params: int = 100_000,
+        bucket_mb: float = 25.0,  # accepted so all modes take one config; fsdp sends per unit
+    ):
+        super().__init__(module)  # rank 0's initial values reach every rank before sharding
+        frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ConfigError(f"fsdp shards trainable parameters only; frozen: {frozen}")
+        self.reshard_after_forward = reshard_after_forward
+        classes = DEFAULT_UNIT_CLASSES if unit_classes is None else tuple(unit_classes)
+        plans = plan_units(module, classes, min_unit_params)
+        tags = ["root"] + [f"unit{i}" for i in range(len(plans) - 1)]
+        self.units = [
+            _Unit(t, u, self.world_size, self.rank) for t, u in zip(tags, plans, strict=True)
+        ]
+        self.root = self.units[0]
+        self._order = self.units[1:]  # forward order: registration order until recorded
+        self._recording: list[_Unit] = []
+        self._reducing: list[tuple[_Unit, comm.Handle, torch.Tensor, torch.Tensor]] = []
+        for u in self.units:
+            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u))
+        self.optimizer = optimizer([u.shard for u in self.units if u.params])
+
+    # -- unshard / reshard ---------------------------------------------------------------
+    def _unshard(self, u: _Unit) -> None:
+        """Launch the AllGather of `u`'s full parameters, unless they are there already."""
+        if u.is_full or not u.params:
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        u.gather = comm.all_gather(u.full, u.shard.detach(), tag=u.tag)
+
+    def _wait(self, u: _Unit) -> None:
+        if u.gather is not None:
+            u.gather.wait()
+            u.gather = None
+            for p, view in zip(u.params, u.views, strict=True):
+                p.data = view
+
+    def _reshard(self, u: _Unit) -> None:
+        self._wait(u)  # the collective may still be writing into the storage
+        for p in u.params:
+            p.data = u.empty
+        u.full.untyped_storage().resize_(0)
+
+    def _next_forward(self, u: _Unit) -> _Unit | None:
+        if u is self.root:
+            i = 0
+        elif u in self._order:
+            i = self._order.index(u) + 1
+        else:  # did not run in the recorded forward: nothing to prefetch
+            return None
+        return self._order[i] if i < len(self._order) else None
+
+    def _next_backward(self, u: _Unit) -> _Unit | None:
+        # Backward runs the recorded forward order in reverse. The root's backward begins
+        # the step (the head after the last unit) and ends it (the embeddings).
+        if u is self.root:
+            i = len(self._order) - 1
+        elif u in self._order:
+            i = self._order.index(u) - 1
+        else:
+            return None
+        return self._order[i] if i >= 0 else None
+
+    # -- forward ---------------------------------------------------------------------------
+    def _pre_forward(self, u: _Unit) -> None:
+        if u is self.root:
+            self._recording = []
+        elif torch.is_grad_enabled():
+            self._recording.append(u)
+        self._unshard(u)
+        nxt = self._next_forward(u)
+        if nxt is not None:
+            self._unshard(nxt)  # prefetch: in flight while `u` computes
+        self._wait(u)
+        comm.record("forward_begin", u.tag)
+
+    def _post_forward(self, u: _Unit, output: Any) -> None:
+        comm.record("forward_end", u.tag)
+        if not torch.is_grad_enabled():  # no backward will follow: free everything now
+            for v in [u] if u is not self.root else self.units:
+                self._reshard(v)
+            return
+        outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:  # fires once, when the first gradient w.r.t. the unit's outputs exists
+            register_multi_grad_hook(outs, lambda g, u=u: self._pre_backward(u), mode="any")
+        if u is self.root:
+            if self._recording:
+                self._order = self._recording
+        elif self.reshard_after_forward:
+            self._reshard(u)
+
+    # -- backward --------------------------------------------------------------------------
+    def _pre_backward(self, u: _Unit) -> None:
+        comm.record("backward_begin", u.tag)
+        self._unshard(u)
+        prev = self._next_backward(u)
+        if prev is not None:
+            self._unshard(prev)  # prefetch: in flight while `u` computes its backward
+        self._wait(u)
+
+    def _on_grad(self, u: _Unit) -> None:
+        u.ready += 1
+        if u.ready == len(u.params) and not u.done:
+            self._grads_done(u)
+
+    def _grads_done(self, u: _Unit) -> None:
+        """All of `u`'s gradients exist: free its parameters and ReduceScatter its grads."""
+        u.done = True
+        comm.record("grads_ready", u.tag)
+        if not self._sync or not u.params:
+            # no_sync: full gradients stay on the module parameters and keep accumulating
+            # over micro-batches; the next synced backward reduces the sum.
+            self._reshard(u)
+            return
+        flat = torch.zeros_like(u.full)  # (P*S,) padding stays zero
+        for view, p in zip(u.layout.views(flat), u.params, strict=True):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None
+        self._reshard(u)
+        out = torch.empty_like(u.shard)  # (S,)
+        self._reducing.append(
+            (u, comm.reduce_scatter(out, flat, average=True, tag=u.tag), out, flat)
+        )
+        # Earlier ReduceScatters ran while this unit computed: finish them, free their input.
+        while len(self._reducing) > 1:
+            self._finish_reduce()
+
+    def _finish_reduce(self) -> None:
+        u, handle, out, _ = self._reducing.pop(0)
+        handle.wait()
+        if u.shard.grad is None:
+            u.shard.grad = out
+        else:
+            u.shard.grad.add_(out)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        # Units that missed a gradient (a parameter unused this step, a unit that did not
+        # run) are handled here, in unit order, so every rank issues the same collectives.
+        for u in self.units:
+            if not u.done:
+                self._grads_done(u)
+        while self._reducing:
+            self._finish_reduce()
+        for u in self.units:
+            self._reshard(u)  # prefetched but unused units too
+            u.ready, u.done = 0, False
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.shard.grad = None
+            for p in u.params:  # full gradients kept by no_sync
+                p.grad = None
+
+    # -- state -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gather unit by unit (a collective: every rank must call it)."""
+        values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            was_full = u.is_full
+            self._unshard(u)
+            self._wait(u)
+            values.update({id(p): p.detach().cpu().clone() for p in u.params})
+            if not was_full:
+                self._reshard(u)
+        return {
+            k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
+            for k, v in self.module.state_dict(keep_vars=True).items()
+        }
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        module_grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
+        return {
+            "params": [u.shard for u in self.units if u.params]
+            + [u.full for u in self.units if u.is_full],
+            "grads": [u.shard.grad for u in self.units if u.shard.grad is not None] + module_grads,
+            "optimizer": optimizer_state_tensors(self.optimizer),
+            "comm": [t for r in self._reducing for t in r[2:]],
+        }
