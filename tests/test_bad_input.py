@@ -75,3 +75,24 @@ def test_nonfinite_loss_can_be_skipped(tmp_path):
         nproc=None,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _tiny_model_sharded(env, mode):
+    from torch import nn
+
+    from trainer.errors import ConfigError
+    from trainer.parallel import build_engine
+
+    try:
+        build_engine(nn.Linear(1, 1, bias=False), mode, optimizer=lambda ps: None)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_more_ranks_than_parameters_to_shard(mode):
+    from dist_harness import run_distributed
+
+    msgs = run_distributed(_tiny_model_sharded, 2, mode)
+    assert all(m and "the model has 1 parameter(s), fewer than the 2 ranks" in m for m in msgs)

@@ -6,15 +6,14 @@ from typing import Any
 
 from torch import nn
 
+from trainer import comm
 from trainer.errors import ConfigError
 from trainer.parallel.ddp import DDPEngine
 from trainer.parallel.engine import Engine, OptimizerFactory
 from trainer.parallel.fsdp import FSDPEngine
 from trainer.parallel.zero import ZeroEngine
 
-ENGINES: dict[str, type[Engine]] = {"ddp": DDPEngine}
-ENGINES["fsdp"] = FSDPEngine
-ENGINES["zero"] = ZeroEngine
+ENGINES: dict[str, type[Engine]] = {"ddp": DDPEngine, "zero": ZeroEngine, "fsdp": FSDPEngine}
 
 
 def build_engine(
@@ -23,7 +22,14 @@ def build_engine(
     """Wrap `model` for `mode`; `optimizer` is called with the parameters it should step."""
     if mode not in ENGINES:
         raise ConfigError(f"mode={mode!r} is not one of {', '.join(sorted(ENGINES))}")
-    return ENGINES[mode](model, optimizer, **options)
+    engine_cls = ENGINES[mode]
+    n, p = sum(t.numel() for t in model.parameters()), comm.world_size()
+    if engine_cls.shards_parameters and n < p:
+        raise ConfigError(
+            f"the model has {n} parameter(s), fewer than the {p} ranks to shard them over; "
+            "use fewer ranks or mode=ddp"
+        )
+    return engine_cls(model, optimizer, **options)
 
 
 __all__ = ["ENGINES", "Engine", "build_engine"]

@@ -27,6 +27,7 @@ class Engine:
     """Wraps a model for one data-parallel mode. Subclasses implement backward and step."""
 
     name = "base"
+    shards_parameters = False  # True: each rank keeps 1/P of the parameters' state
 
     def __init__(self, module: nn.Module):
         self.module = module

@@ -86,6 +86,7 @@ class _Unit:
 
 class FSDPEngine(Engine):
     name = "fsdp"
+    shards_parameters = True
 
     def __init__(
         self,

@@ -84,6 +84,7 @@ class _Bucket:
 
 class ZeroEngine(Engine):
     name = "zero"
+    shards_parameters = True
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, bucket_mb: float = 25.0):
         super().__init__(module)
