@@ -11,8 +11,6 @@ available on Gloo and has been wrong on it in some releases.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -127,8 +125,8 @@ def reduce_scatter(
     p = world_size(group)
     _check_split(output, input, p, "reduce_scatter")
     _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input))
-    if _ring_enabled(group):  # [Note: ring collectives on Gloo]
-        work = _ring_reduce_scatter(output, input, group)
+    if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
+        work = _p2p_reduce_scatter(output, input, group)
     else:
         work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
     return Handle(work, _divide(output, p) if average else None)
@@ -139,8 +137,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", grou
     p = world_size(group)
     _check_split(input, output, p, "all_gather")
     _launch("all_gather", tag, (p - 1) * _nbytes(input))
-    if _ring_enabled(group):  # [Note: ring collectives on Gloo]
-        work = _ring_all_gather(output, input, group)
+    if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
+        work = _p2p_all_gather(output, input, group)
     else:
         work = dist.all_gather_single(output, input, group=group, async_op=True)
     return Handle(work)
@@ -235,144 +233,99 @@ def _check_split(shard: torch.Tensor, full: torch.Tensor, p: int, op: str) -> No
 
 
 # ---------------------------------------------------------------------------------------
-# Ring reduce-scatter and all-gather built from point-to-point sends: the Gloo fast path.
+# Reduce-scatter and all-gather built from point-to-point sends: the Gloo fast path.
 #
-# [Note: ring collectives on Gloo]
-# Gloo runs reduce_scatter as a whole all-reduce and its all_gather is slow; a ring of
-# send/recv moves the textbook (P-1)/P of the data per rank and measures 2-10x faster on
-# CPU (docs/comm_bench.md). NCCL's native collectives already are rings and stay native.
-# Every rank sends to its right neighbour (r+1) and receives from its left one (r-1), in
-# P-1 steps over the P chunks of the full buffer:
+# [Note: p2p collectives on Gloo]
+# Gloo runs reduce_scatter as a whole all-reduce and its all_gather is slow. Both are
+# short to write from sends and receives that move exactly the textbook (P-1)/P of the
+# full buffer per rank, the same bytes as the ring algorithm:
 #
-#   reduce-scatter, step s: send the partial sum of chunk r-s-1, receive the partial sum
-#       of chunk r-s-2 and add this rank's own copy; the last step's chunk is r, complete.
-#   all-gather, step s: send chunk r-s, receive chunk r-s-1 straight into `output`.
+#   reduce-scatter: rank r sends its chunk j to rank j (every j != r) and receives chunk
+#       r from every other rank; wait() adds those P-1 chunks to its own chunk r.
+#   all-gather: rank r sends its shard to every other rank and receives theirs straight
+#       into their places in `output`.
 #
-# A step needs the data the previous one received, so the steps cannot be queued up front
-# as p2p ops. One background thread per process runs the rings one after another in the
-# order they were launched. Every rank launches collectives in the same order, so that
-# FIFO keeps each rank's sends matched with its neighbour's receives. The thread waits on
-# nothing but its own p2p messages (sent with their own tag) and native collectives run on
-# the backend's threads, so a ring in flight never blocks a native collective or the
-# reverse.
+# All 2(P-1) messages are posted at once (one batch_isend_irecv) and the backend's
+# threads move them, so the Handle is in flight while the caller computes. Every rank's
+# k-th message goes k ranks ahead, so the first messages spread over all ranks instead
+# of all landing on rank 0. A ring (P-1 dependent steps: receive from r-1, add, forward
+# to r+1) sends the same bytes but needs a helper thread to chain its steps; it measured
+# slower than this on Gloo at every size and world size tried (docs/comm_bench.md). The
+# price is a receive buffer of (P-1)/P of the input per reduce-scatter in flight (a ring
+# needs 2/P).
+# NCCL's native collectives are already bandwidth-optimal rings/trees: NCCL stays native.
 
-use_ring: bool | None = None  # None: ring on Gloo, native elsewhere; True/False force it
+use_p2p: bool | None = None  # None: p2p on Gloo, native elsewhere; True/False force either
 
-_RING_TAG = 0x52494E47  # p2p tag of ring messages ("RING"), apart from any other traffic
+_P2P_TAG = 0x50325043  # tag of these messages, apart from any other p2p traffic
 
 
-def _ring_enabled(group) -> bool:
-    if use_ring is not None:
-        return use_ring
+def _p2p_enabled(group) -> bool:
+    if use_p2p is not None:
+        return use_p2p
     return dist.get_backend(group) == "gloo"
 
 
-class _RingWork:
-    """A ring queued on the ring thread; `wait()` blocks until the thread has run it."""
+class _P2PWork:
+    """Sends and receives in flight; `wait()` waits for all, then runs `finish`."""
 
-    def __init__(self, run: Callable[[], None]):
-        self._run = run
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def __call__(self) -> None:
-        try:
-            self._run()
-        except BaseException as e:  # handed to the caller of wait()
-            self._error = e
-        finally:
-            self._done.set()
+    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None):
+        self._works = works
+        self._finish = finish
 
     def wait(self) -> bool:
-        self._done.wait()
-        if self._error is not None:
-            raise RuntimeError("ring collective failed") from self._error
+        for work in self._works:
+            work.wait()
+        if self._finish is not None:
+            self._finish()
         return True
 
 
-_ring_queue: queue.SimpleQueue[_RingWork] | None = None
-_ring_thread: threading.Thread | None = None
-
-
-def _ring_submit(run: Callable[[], None], like: torch.Tensor) -> _RingWork:
-    """Queue `run` on the ring thread (started on first use, and again after a fork)."""
-    global _ring_queue, _ring_thread
-    if like.is_cuda:
-        # The thread runs on its own (default) stream: start after the caller's queued
-        # kernels, and finish with the results on the device before wait() returns.
-        ready = torch.cuda.Event()
-        ready.record()
-        inner = run
-
-        def run() -> None:
-            stream = torch.cuda.current_stream(like.device)
-            stream.wait_event(ready)
-            inner()
-            stream.synchronize()
-
-    if _ring_thread is None or not _ring_thread.is_alive():
-        _ring_queue = queue.SimpleQueue()
-        _ring_thread = threading.Thread(
-            target=_ring_loop, args=(_ring_queue,), name="comm-ring", daemon=True
-        )
-        _ring_thread.start()
-    work = _RingWork(run)
-    _ring_queue.put(work)
-    return work
-
-
-def _ring_loop(jobs: queue.SimpleQueue[_RingWork]) -> None:
-    while True:
-        jobs.get()()
-
-
-def _ring_step(send: torch.Tensor, recv: torch.Tensor, group) -> None:
-    """Send `send` to the right neighbour while receiving `recv` from the left one."""
-    p, r = world_size(group), rank(group)
+def _exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group
+) -> list[dist.Work]:
+    """Post every (tensor, group rank) send and receive at once."""
     ops = [
-        dist.P2POp(dist.isend, send, group=group, tag=_RING_TAG, group_peer=(r + 1) % p),
-        dist.P2POp(dist.irecv, recv, group=group, tag=_RING_TAG, group_peer=(r - 1) % p),
+        dist.P2POp(dist.isend, t, group=group, tag=_P2P_TAG, group_peer=peer) for t, peer in sends
     ]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    ops += [
+        dist.P2POp(dist.irecv, t, group=group, tag=_P2P_TAG, group_peer=peer) for t, peer in recvs
+    ]
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> _RingWork:
+def _p2p_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> _P2PWork:
     p, r = world_size(group), rank(group)
-    # Shapes are taken here, so a bad argument fails in the caller, not on the thread.
-    chunks = input.view(p, -1)  # (P, n): chunk j ends up summed on rank j
+    chunks = input.view(p, -1)  # (P, n): chunk j is summed on rank j
     out = output.view(-1)  # (n,); may be chunks[r] itself (in place)
-    # Two receive buffers alternate: step s sends what step s-1 received.
-    spare = [torch.empty_like(out) for _ in range(min(2, p - 1))]
+    received = input.new_empty((p - 1, out.numel()))  # (P-1, n): row k-1 from rank r-k
+    works = _exchange(
+        [(chunks[(r + k) % p], (r + k) % p) for k in range(1, p)],
+        [(received[k - 1], (r - k) % p) for k in range(1, p)],
+        group,
+    )
 
-    def run() -> None:
-        send = chunks[(r - 1) % p]
-        for s in range(p - 1):
-            recv = spare[s % 2]
-            _ring_step(send, recv, group)
-            if s < p - 2:
-                recv.add_(chunks[(r - s - 2) % p])
-            else:  # chunk r: the last addend is this rank's own, written to output
-                torch.add(recv, chunks[r], out=out)
-            send = recv
-        if p == 1:
-            out.copy_(chunks[0])
+    def finish() -> None:
+        if out.data_ptr() != chunks[r].data_ptr():
+            out.copy_(chunks[r])
+        for row in received:
+            out.add_(row)
 
-    return _ring_submit(run, input)
+    return _P2PWork(works, finish)
 
 
-def _ring_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> _RingWork:
+def _p2p_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> _P2PWork:
     p, r = world_size(group), rank(group)
     chunks = output.view(p, -1)  # (P, n): chunk j is rank j's shard
     shard = input.view(-1)  # (n,); may be chunks[r] itself (in place)
-
-    def run() -> None:
-        if shard.data_ptr() != chunks[r].data_ptr():
-            chunks[r].copy_(shard)
-        for s in range(p - 1):
-            _ring_step(chunks[(r - s) % p], chunks[(r - s - 1) % p], group)
-
-    return _ring_submit(run, input)
+    if shard.data_ptr() != chunks[r].data_ptr():
+        chunks[r].copy_(shard)
+    works = _exchange(
+        [(chunks[r], (r + k) % p) for k in range(1, p)],
+        [(chunks[(r - k) % p], (r - k) % p) for k in range(1, p)],
+        group,
+    )
+    return _P2PWork(works)
 
 
 # ---------------------------------------------------------------------------------------
