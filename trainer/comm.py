@@ -11,6 +11,7 @@ available on Gloo and has been wrong on it in some releases.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -31,7 +32,17 @@ class CommStats:
     busy_s: float = 0.0  # launch -> completion observed, summed over collectives
     exposed_s: float = 0.0  # time callers spent blocked in Handle.wait()
 
+    def settle(self) -> None:
+        """CUDA: fold finished collectives' event timings into busy_s / exposed_s."""
+        if _pending_timings:
+            torch.cuda.synchronize()
+            for launched, wait_begin, done in _pending_timings:
+                self.busy_s += launched.elapsed_time(done) / 1e3
+                self.exposed_s += wait_begin.elapsed_time(done) / 1e3
+            _pending_timings.clear()
+
     def reset(self) -> None:
+        _pending_timings.clear()
         self.bytes_sent.clear()
         self.calls.clear()
         self.busy_s = 0.0
@@ -53,28 +64,106 @@ def record(event: str, tag: str = "") -> None:
 
 
 class Handle:
-    """An in-flight collective. `wait()` blocks, then runs the op's finishing step."""
+    """An in-flight collective. `wait()` blocks (CPU) or orders the compute stream after
+    it (CUDA), then runs the op's finishing step. [Note: communication streams]"""
 
-    __slots__ = ("_work", "_post", "_t0", "done")
+    __slots__ = ("_work", "_post", "_t0", "_keep", "_launched", "done")
 
-    def __init__(self, work: dist.Work | None, post: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        work: dist.Work | _P2PWork | None,
+        post: Callable[[], None] | None = None,
+        keep: Sequence[torch.Tensor] = (),
+    ):
         self._work = work
         self._post = post
         self._t0 = time.perf_counter()
+        self._keep = keep  # CUDA: tensors the comm stream uses, alive until wait()
+        self._launched = _record_event(keep)
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        t = time.perf_counter()
-        if self._work is not None:
-            self._work.wait()
-        end = time.perf_counter()
-        stats.exposed_s += end - t
-        stats.busy_s += end - self._t0
-        if self._post is not None:
-            self._post()
+        if self._launched is not None:
+            self._wait_cuda()
+        else:
+            t = time.perf_counter()
+            if self._work is not None:
+                self._work.wait()
+            end = time.perf_counter()
+            stats.exposed_s += end - t
+            stats.busy_s += end - self._t0
+            if self._post is not None:
+                self._post()
+        self._keep = ()
         self.done = True
+
+    def _wait_cuda(self) -> None:
+        stream = _comm_stream(self._keep[0].device)
+        with torch.cuda.stream(stream):
+            if self._work is not None:
+                self._work.wait()  # NCCL: orders the comm stream after the collective
+            if self._post is not None:
+                self._post()  # copies out of the receive buffer run on the comm stream
+        compute = torch.cuda.current_stream(stream.device)
+        wait_begin = torch.cuda.Event(enable_timing=True)
+        wait_begin.record(compute)
+        compute.wait_stream(stream)  # compute waits only here, where it consumes the result
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(compute)
+        _pending_timings.append((self._launched, wait_begin, done))
+
+
+# [Note: communication streams]
+# On CUDA every collective runs on one dedicated stream per device, never on the compute
+# stream, so kernels of backward keep running while gradients travel:
+#   launch: the comm stream first waits for the compute stream (the data it sends was
+#           written there), then the collective is enqueued on it; `record_stream` tells
+#           the caching allocator that these tensors are in use on the comm stream, and the
+#           Handle keeps a reference, so memory freed by the compute stream is not reused
+#           under a collective in flight.
+#   wait:   the finishing step (averaging, adding received chunks) is enqueued on the comm
+#           stream too, and the compute stream waits for it: only at this point, where
+#           the result is consumed, and without blocking the CPU.
+# Copies into send buffers (a bucket's flat gradient) happen where the gradient is
+# produced, on the compute stream, which the launch-time wait covers.
+# Timing: events at launch (comm stream), at the start of the wait and at its end
+# (compute stream): busy = launch -> end, exposed = wait start -> end, i.e. the time the
+# compute stream actually stalled. They are read lazily, in `stats.settle()`.
+# On CPU (Gloo) the same calls use Gloo's asynchronous work handles and wall-clock time.
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+_pending_timings: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+
+
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device=device)
+    return _streams[device]
+
+
+def _record_event(tensors: Sequence[torch.Tensor]) -> torch.cuda.Event | None:
+    if not tensors or not tensors[0].is_cuda:
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(_comm_stream(tensors[0].device))
+    return ev
+
+
+@contextlib.contextmanager
+def _on_comm_stream(*tensors: torch.Tensor | None):
+    """CUDA: run the enclosed launch on the comm stream, ordered after compute."""
+    live = [t for t in tensors if t is not None]
+    if not live or not live[0].is_cuda:
+        yield
+        return
+    stream = _comm_stream(live[0].device)
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for t in live:
+        t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -114,8 +203,9 @@ def all_reduce(
     messages out of the training traffic figures."""
     p = world_size(group)
     _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor), account)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return Handle(work, _divide(tensor, p) if average else None)
+    with _on_comm_stream(tensor):
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    return Handle(work, _divide(tensor, p) if average else None, keep=(tensor,))
 
 
 def reduce_scatter(
@@ -125,11 +215,12 @@ def reduce_scatter(
     p = world_size(group)
     _check_split(output, input, p, "reduce_scatter")
     _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input))
-    if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
-        work = _p2p_reduce_scatter(output, input, group)
-    else:
-        work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
-    return Handle(work, _divide(output, p) if average else None)
+    with _on_comm_stream(output, input):
+        if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
+            work = _p2p_reduce_scatter(output, input, group)
+        else:
+            work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
+    return Handle(work, _divide(output, p) if average else None, keep=(output, input))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", group=None) -> Handle:
@@ -137,22 +228,27 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", grou
     p = world_size(group)
     _check_split(input, output, p, "all_gather")
     _launch("all_gather", tag, (p - 1) * _nbytes(input))
-    if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
-        work = _p2p_all_gather(output, input, group)
-    else:
-        work = dist.all_gather_single(output, input, group=group, async_op=True)
-    return Handle(work)
+    with _on_comm_stream(output, input):
+        if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
+            work = _p2p_all_gather(output, input, group)
+        else:
+            work = dist.all_gather_single(output, input, group=group, async_op=True)
+    return Handle(work, keep=(output, input))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, tag: str = "", group=None) -> Handle:
     _launch("broadcast", tag, _nbytes(tensor) if rank(group) == src else 0)
-    return Handle(dist.broadcast(tensor, src, group=group, async_op=True))
+    with _on_comm_stream(tensor):
+        work = dist.broadcast(tensor, src, group=group, async_op=True)
+    return Handle(work, keep=(tensor,))
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, *, tag: str = "", group=None) -> Handle:
     """Sum `tensor` into rank `dst`; other ranks' copies are left undefined."""
     _launch("reduce", tag, _nbytes(tensor))
-    return Handle(dist.reduce(tensor, dst, group=group, async_op=True))
+    with _on_comm_stream(tensor):
+        work = dist.reduce(tensor, dst, group=group, async_op=True)
+    return Handle(work, keep=(tensor,))
 
 
 def gather(
@@ -199,10 +295,11 @@ def all_to_all(
         row = _nbytes(input) / max(input.shape[0], 1)
         sent = row * (sum(input_splits) - input_splits[rank(group)])
     _launch("all_to_all", tag, sent)
-    work = dist.all_to_all_single(
-        output, input, output_splits, input_splits, group=group, async_op=True
-    )
-    return Handle(work)
+    with _on_comm_stream(output, input):
+        work = dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=group, async_op=True
+        )
+    return Handle(work, keep=(output, input))
 
 
 def barrier(*, tag: str = "", group=None) -> Handle:

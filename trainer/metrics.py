@@ -4,43 +4,77 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from trainer import comm
 from trainer.memory import MemoryMonitor, bandwidth
+from trainer.models import accuracy, loss_fn
 
 # Order of the packed tensor reduced to rank 0 (one collective per logging interval).
 _FIELDS = (
     "loss_sum",
     "correct",
+    "predictions",  # targets.numel(): samples for a classifier, tokens for a language model
     "samples",
     "step_time_s",
     "steps",
+    "grad_norm_sum",
+    "grad_norm_steps",
     "comm_busy_s",
     "comm_exposed_s",
 )
 
 
 class IntervalMetrics:
-    """Sums this rank's figures between two logging points."""
+    """Sums this rank's figures between two logging points.
 
-    def __init__(self, device: torch.device, memory: MemoryMonitor | None = None):
+    `flops_per_token` (6Ψ: forward 2Ψ, backward 4Ψ per prediction) and `peak_flops` (one
+    device's peak, see `peak_flops`) add model FLOPs utilisation when both are known.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        memory: MemoryMonitor | None = None,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ):
         self.device = device
         self.memory = memory  # per-rank memory figures, gathered at the same points
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
         self._sums = dict.fromkeys(_FIELDS, 0.0)
 
-    def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int, step_time_s: float):
-        # loss and correct stay tensors until the interval ends: no sync per step.
-        self._sums["loss_sum"] = self._sums["loss_sum"] + loss.detach() * samples
+    def add(
+        self,
+        loss: torch.Tensor,
+        correct: torch.Tensor,
+        predictions: int,
+        step_time_s: float,
+        samples: int | None = None,
+        grad_norm: torch.Tensor | None = None,
+    ):
+        """One step: mean `loss` and `correct` count over `predictions` (targets.numel()),
+        from `samples` (targets.shape[0]; default: predictions)."""
+        # loss, correct and grad_norm stay tensors until the interval ends: no sync per step.
+        self._sums["loss_sum"] = self._sums["loss_sum"] + loss.detach() * predictions
         self._sums["correct"] = self._sums["correct"] + correct.detach()
-        self._sums["samples"] += samples
+        self._sums["predictions"] += predictions
+        self._sums["samples"] += predictions if samples is None else samples
         self._sums["step_time_s"] += step_time_s
         self._sums["steps"] += 1
+        if grad_norm is not None:  # the same on every rank; summed with a count of steps
+            self._sums["grad_norm_sum"] = self._sums["grad_norm_sum"] + grad_norm.detach()
+            self._sums["grad_norm_steps"] += 1
 
     def reduce(self) -> dict[str, float] | None:
         """Sum every rank's figures into rank 0; return averages there, None elsewhere."""
+        comm.stats.settle()  # CUDA: read the event timings of finished collectives
         self._sums["comm_busy_s"] = comm.stats.busy_s
         self._sums["comm_exposed_s"] = comm.stats.exposed_s
         bytes_per_op = dict(comm.stats.bytes_sent)
@@ -59,13 +93,21 @@ class IntervalMetrics:
         if s["samples"] == 0:  # every step of the interval was skipped
             return {}
         p = comm.world_size()
+        # every rank's step took about the same wall time: use the mean over ranks
+        wall_s = s["step_time_s"] / p
         out = {
-            "train/loss": s["loss_sum"] / s["samples"],
-            "train/accuracy": s["correct"] / s["samples"],
-            # every rank's step took about the same wall time: use the mean over ranks
+            "train/loss": s["loss_sum"] / s["predictions"],
+            "train/accuracy": s["correct"] / s["predictions"],
             "perf/step_time_s": s["step_time_s"] / s["steps"],
-            "perf/samples_per_s": s["samples"] / (s["step_time_s"] / p),
+            "perf/samples_per_s": s["samples"] / wall_s,
+            "perf/tokens_per_s": s["predictions"] / wall_s,
         }
+        if s["grad_norm_steps"]:
+            out["train/grad_norm"] = s["grad_norm_sum"] / s["grad_norm_steps"]
+        if self.flops_per_token and self.peak_flops:
+            # achieved model FLOP/s per device over its peak
+            achieved = self.flops_per_token * out["perf/tokens_per_s"] / p
+            out["perf/mfu_pct"] = 100.0 * achieved / self.peak_flops
         busy, exposed = s["comm_busy_s"] / p, s["comm_exposed_s"] / p
         out["comm/time_per_step_s"] = busy / steps_local
         out["comm/exposed_per_step_s"] = exposed / steps_local
@@ -76,6 +118,79 @@ class IntervalMetrics:
         out.update(bandwidth(bytes_per_op, busy, p))  # comm/algbw_GBps, comm/busbw_GBps
         out.update(memory)
         return out
+
+
+def evaluate(
+    engine: Any, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> dict[str, float] | None:
+    """Loss and accuracy on held-out `batches` (this rank's share), reduced to rank 0.
+
+    Every rank calls it with the same number of batches (fsdp's forward gathers units).
+    The model runs in eval mode under no_grad (BatchNorm uses its running statistics);
+    the engine goes back to training mode after. One Reduce; its traffic and the eval
+    forwards' stay out of the training communication figures. Rank 0 gets `eval/loss`
+    and `eval/accuracy`, the other ranks None.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    engine.eval()
+    try:
+        with torch.no_grad(), _not_training_traffic():
+            for inputs, targets in batches:
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
+                logits = engine(inputs)
+                n = targets.numel()
+                sums[0] += loss_fn(logits, targets).double() * n
+                sums[1] += accuracy(logits, targets).double() * n
+                sums[2] += n
+            comm.reduce(sums, dst=0, tag="eval").wait()
+    finally:
+        engine.train()
+    if comm.rank() != 0:
+        return None
+    loss_sum, correct, count = sums.tolist()
+    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+
+
+@contextmanager
+def _not_training_traffic() -> Iterator[None]:
+    """Collectives inside the block are left out of comm.stats (the interval's figures)."""
+    st = comm.stats
+    saved = dict(st.bytes_sent), dict(st.calls), st.busy_s, st.exposed_s
+    try:
+        yield
+    finally:
+        st.bytes_sent.clear()
+        st.bytes_sent.update(saved[0])
+        st.calls.clear()
+        st.calls.update(saved[1])
+        st.busy_s, st.exposed_s = saved[2], saved[3]
+
+
+# Dense peak FLOP/s of one device by name (vendor data sheets, no sparsity), by the dtype
+# of the matmuls. fp32 is the plain fp32 peak (TF32 tensor cores are off by default in
+# torch). Names are matched as substrings of torch.cuda.get_device_name(), first hit wins.
+PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12},
+    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
+    "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 30.3e12},
+    "A10G": {torch.bfloat16: 70e12, torch.float16: 70e12, torch.float32: 31.2e12},
+    "V100": {torch.float16: 125e12, torch.float32: 15.7e12},
+    "T4": {torch.float16: 65e12, torch.float32: 8.1e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak FLOP/s for `dtype` matmuls; None on CPU or for an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_FLOPS.items():
+        if key in name:
+            return peaks.get(dtype)
+    return None
 
 
 class Rank0Writer:
