@@ -13,6 +13,13 @@ CASES = [
     (["optim=lion"], None, 2, "optim=lion is not one of adamw, sgd"),
     (["-m", "mode=ddp,bogus"], None, 2, "mode=bogus is not one of"),
     (["train.batch_size=7"], 2, 2, "train.batch_size=7 is not divisible by world size 2"),
+    (
+        ["train.batch_size=12", "train.grad_accum_steps=4"],
+        2,
+        2,
+        "train.batch_size=12 is not divisible by world size 2 x train.grad_accum_steps=4",
+    ),
+    (["optim.schedule=linear"], None, 2, "optim.schedule='linear' is not one of constant"),
     (["train.steps=0"], None, 2, "train.steps=0 must be a positive number"),
     (["train.batch_size=-8"], None, 2, "train.batch_size=-8 must be a positive number"),
     (["optim.lr=-1"], None, 2, "optim.lr=-1 must be a positive number"),

@@ -22,10 +22,43 @@ def validate(cfg: DictConfig, world_size: int) -> None:
         _positive("optim.lr", cfg.optim.lr)
     if "bucket_mb" in cfg.mode:
         _positive("mode.bucket_mb", cfg.mode.bucket_mb)
-    if cfg.train.batch_size % world_size:
+    k = cfg.train.get("grad_accum_steps", 1)
+    _whole("train.grad_accum_steps", k, minimum=1)
+    if cfg.train.batch_size % (world_size * k):
+        # Every rank takes batch_size / P samples and cuts them into k equal micro-batches.
+        accum = f" x train.grad_accum_steps={k}" if k > 1 else ""
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} is not divisible by world size "
-            f"{world_size}; use a multiple of {world_size}"
+            f"{world_size}{accum}; use a multiple of {world_size * k}"
+        )
+    _whole("train.eval_every", cfg.train.get("eval_every", 0), minimum=0)
+    if cfg.train.get("eval_batches") is not None:
+        _whole("train.eval_batches", cfg.train.eval_batches, minimum=1)
+    _validate_optim(cfg.optim, cfg.mode.name)
+
+
+def _whole(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be a whole number >= {minimum}")
+
+
+def _validate_optim(optim: DictConfig, mode: str) -> None:
+    from trainer.optim import SCHEDULES
+
+    clip = optim.get("clip_grad_norm") or 0
+    if not isinstance(clip, int | float) or isinstance(clip, bool) or clip < 0:
+        raise ConfigError(f"optim.clip_grad_norm={clip!r} must be >= 0 (0: no clipping)")
+    if optim.get("schedule", "constant") not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={optim.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    _whole("optim.warmup_steps", optim.get("warmup_steps", 0), minimum=0)
+    ratio = optim.get("min_lr_ratio", 0.0)
+    if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 <= ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={ratio!r} must be between 0 and 1")
+    if optim.get("no_decay_bias_norm", False) and mode != "ddp":
+        # zero and fsdp step flat shards mixing weights and biases (trainer/optim.py).
+        raise ConfigError(
+            f"optim.no_decay_bias_norm=true is not available with mode={mode}; "
+            "use mode=ddp or optim.no_decay_bias_norm=false"
         )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torchvision
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 from torchvision import transforms
 
 from trainer.errors import ConfigError
@@ -263,5 +263,36 @@ def make_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def make_eval_loader(
+    dataset: Dataset,
+    global_batch: int,
+    rank: int,
+    world_size: int,
+    max_batches: int | None = None,
+) -> DataLoader:
+    """This rank's share of a held-out set, in order, once through.
+
+    The set (or its first `max_batches` global batches) is cut into P equal contiguous
+    slices, rank r taking the r-th, in batches of global_batch / P. Up to P-1 samples
+    left over are not evaluated: every rank must run the same number of forwards, since
+    in fsdp a forward is a collective.
+    """
+    local = global_batch // world_size
+    per_rank = len(dataset) // world_size
+    if max_batches is not None:
+        per_rank = min(per_rank, max_batches * local)
+    if per_rank == 0:
+        raise ConfigError(
+            f"the held-out set has {len(dataset)} samples, fewer than the {world_size} ranks"
+        )
+    indices = range(rank * per_rank, (rank + 1) * per_rank)
+    return DataLoader(
+        Subset(dataset, indices),
+        batch_size=local,
+        shuffle=False,
         pin_memory=torch.cuda.is_available(),
     )

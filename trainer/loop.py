@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,12 @@ from tqdm import tqdm
 from trainer import comm
 from trainer import dist as tdist
 from trainer.config import engine_options, validate
-from trainer.data import make_loader
+from trainer.data import make_eval_loader, make_loader
 from trainer.errors import TrainingError
 from trainer.memory import MemoryMonitor, count_params
-from trainer.metrics import IntervalMetrics, Rank0Writer
+from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.models import accuracy, loss_fn
+from trainer.optim import lr_scheduler, optimizer_factory
 from trainer.parallel import build_engine
 from trainer.profiling import maybe_profile
 
@@ -48,15 +50,35 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(env.device)
     psi = count_params(model)  # before fsdp takes the parameters apart
+    param_dtype = next(model.parameters()).dtype
     dataset = instantiate(cfg.data.dataset)
     loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
-    engine = build_engine(model, cfg.mode.name, instantiate(cfg.optim), **engine_options(cfg))
+    eval_loader = None
+    if cfg.train.eval_every:
+        eval_loader = make_eval_loader(
+            instantiate(cfg.data.dataset, train=False),
+            cfg.train.batch_size,
+            env.rank,
+            env.world_size,
+            cfg.train.eval_batches,
+        )
+    optimizer = optimizer_factory(cfg.optim, model)
+    engine = build_engine(model, cfg.mode.name, optimizer, **engine_options(cfg))
+    scheduler = lr_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)
+    accum, clip = cfg.train.grad_accum_steps, cfg.optim.clip_grad_norm
 
     writer = Rank0Writer(run_dir, env.is_rank0)
     writer.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
-    metrics = IntervalMetrics(env.device, memory=MemoryMonitor(engine, psi))
+    metrics = IntervalMetrics(
+        env.device,
+        memory=MemoryMonitor(engine, psi),
+        flops_per_token=6 * psi,  # forward 2Ψ + backward 4Ψ per prediction
+        peak_flops=peak_flops(env.device, param_dtype),  # None on CPU: no MFU
+    )
     bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
     last: dict[str, float] = {}
+    last_eval: dict[str, float] = {}
+    lr = scheduler.get_last_lr()[0]
     batches = iter(loader)
     skipped = 0
     comm.stats.reset()
@@ -65,14 +87,20 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         for step in range(1, cfg.train.steps + 1):
             inputs, targets = (t.to(env.device, non_blocking=True) for t in next(batches))
             t0 = time.perf_counter()
-            logits = engine(inputs)
-            loss = loss_fn(logits, targets)
-            engine.backward(loss)
+            loss, correct = forward_backward(engine, inputs, targets, accum)
             if loss_is_finite_everywhere(loss):
+                grad_norm = engine.clip_grad_norm_(clip) if clip else None
                 engine.step()
-                with torch.no_grad():
-                    correct = accuracy(logits, targets) * targets.numel()
-                metrics.add(loss, correct, targets.numel(), time.perf_counter() - t0)
+                lr = scheduler.get_last_lr()[0]  # the lr this step used
+                scheduler.step()
+                metrics.add(
+                    loss,
+                    correct,
+                    targets.numel(),
+                    time.perf_counter() - t0,
+                    samples=targets.shape[0],
+                    grad_norm=grad_norm,
+                )
             elif cfg.train.on_nonfinite == "skip":
                 engine.zero_grad()  # drop this step's gradients on every rank alike
                 skipped += 1
@@ -84,11 +112,17 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 values = metrics.reduce()
                 if values:  # rank 0, with at least one step that was not skipped
+                    values["train/lr"] = lr
                     last = values
                     writer.scalars(values, step)
                     bar.set_postfix(
                         loss=f"{values['train/loss']:.4f}", acc=f"{values['train/accuracy']:.3f}"
                     )
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                values = evaluate(engine, eval_loader, env.device)
+                if values:  # rank 0
+                    last_eval = values
+                    writer.scalars(values, step)
             bar.update(1)
             prof.step()
     bar.close()
@@ -99,6 +133,7 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         "skipped_steps": skipped,
         "run_dir": str(run_dir),
         **last,
+        **last_eval,
     }
     if cfg.train.save_final:
         save_final_model(engine, run_dir / "final_model.pt", env.is_rank0)
@@ -112,6 +147,28 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
             f"{last.get('perf/samples_per_s', 0):.0f} samples/s -> {run_dir}"
         )
     return final
+
+
+def forward_backward(
+    engine, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of this rank's batch, cut into `micro_batches` equal pieces.
+
+    All but the last run under `engine.no_sync()`, entered before their forward: their
+    gradients accumulate locally and the last backward communicates the sum, once. Each
+    piece's loss is divided by their number, so the gradients equal those of the whole
+    batch at once. Returns the batch's mean loss and number of correct predictions.
+    """
+    loss_sum = correct = torch.zeros((), device=inputs.device)
+    pieces = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
+    for i, (x, y) in enumerate(pieces):
+        with engine.no_sync() if i < len(pieces) - 1 else nullcontext():
+            logits = engine(x)
+            loss = loss_fn(logits, y) / len(pieces)
+            engine.backward(loss)
+        loss_sum = loss_sum + loss.detach()
+        correct = correct + accuracy(logits, y) * y.numel()
+    return loss_sum, correct
 
 
 def loss_is_finite_everywhere(loss: torch.Tensor) -> bool:

@@ -4,18 +4,58 @@ Each model keeps its repeated layers as separate submodules (a ModuleList of Lin
 layers, of conv blocks, of transformer `Block`s) because FSDP shards the model unit by
 unit: a unit is one such submodule, and a model made of one giant module could not show
 the memory saving.
+
+`activation_checkpointing=True` keeps only the input of each such layer or block during
+forward and recomputes the rest in backward (`torch.utils.checkpoint`, non-reentrant):
+activation memory falls from every intermediate tensor of every block to one tensor per
+block, for about one extra forward of compute. Results are the same as without it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from trainer.errors import ConfigError
+
+# --------------------------------------------------------------------------------------
+# Activation checkpointing
+
+
+def checkpointed(fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
+    """`fn(*args)`, keeping only `args` for backward and recomputing the rest there.
+
+    The recomputation runs `fn` again, module hooks included (fsdp recognises it, see
+    fsdp.py's [Note: activation checkpointing]). A module's buffers, such as BatchNorm's
+    running statistics, are restored after the recomputation so that they are updated
+    once per forward, as without checkpointing. Without grad there is nothing to save:
+    `fn` simply runs.
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    buffers = list(fn.buffers()) if isinstance(fn, nn.Module) else []
+    return checkpoint(
+        fn, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), _restored(buffers))
+    )
+
+
+@contextmanager
+def _restored(buffers: list[Tensor]) -> Iterator[None]:
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in zip(buffers, saved, strict=True):
+                b.copy_(v)
+
 
 # --------------------------------------------------------------------------------------
 # MLP: the default model, paired with trainer.data.synthetic_classification.
@@ -25,9 +65,15 @@ class MLP(nn.Module):
     """`depth` hidden Linear+ReLU layers and a Linear classification head."""
 
     def __init__(
-        self, in_dim: int = 32, hidden: int = 128, depth: int = 3, num_classes: int = 10
+        self,
+        in_dim: int = 32,
+        hidden: int = 128,
+        depth: int = 3,
+        num_classes: int = 10,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
+        self.activation_checkpointing = activation_checkpointing
         if depth < 1:
             raise ConfigError(f"MLP depth {depth} must be at least 1")
         dims = [in_dim] + [hidden] * depth
@@ -39,9 +85,20 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.flatten(1)  # (B, in_dim); also accepts (B, C, H, W) images
-        for layer in self.layers:
-            x = F.relu(layer(x))  # (B, hidden)
+        if self.activation_checkpointing:
+            # Segments of two layers, each keeping only its input. One Linear+ReLU keeps
+            # a single activation anyway: checkpointing layer by layer would save nothing.
+            for i in range(0, len(self.layers), 2):
+                x = checkpointed(_relu_layers, self.layers[i : i + 2], x)  # (B, hidden)
+        else:
+            x = _relu_layers(self.layers, x)  # (B, hidden)
         return self.head(x)  # (B, num_classes)
+
+
+def _relu_layers(layers: nn.ModuleList, x: Tensor) -> Tensor:
+    for layer in layers:
+        x = F.relu(layer(x))
+    return x
 
 
 # --------------------------------------------------------------------------------------
@@ -69,14 +126,22 @@ class SmallCNN(nn.Module):
     28x28 MNIST (in_channels=1) and 32x32 CIFAR-10 or synthetic images (in_channels=3).
     """
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 10, width: int = 16) -> None:
+    def __init__(
+        self,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        width: int = 16,
+        activation_checkpointing: bool = False,
+    ) -> None:
         super().__init__()
+        self.activation_checkpointing = activation_checkpointing
         self.blocks = nn.ModuleList([ConvBlock(in_channels, width), ConvBlock(width, 2 * width)])
         self.head = nn.Linear(2 * width, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         for block in self.blocks:
-            x = block(x)  # (B, C', H/2, W/2)
+            x = checkpointed(block, x) if self.activation_checkpointing else block(x)
+            # (B, C', H/2, W/2)
         x = x.mean(dim=(2, 3))  # (B, 2*width)
         return self.head(x)  # (B, num_classes)
 
@@ -148,9 +213,11 @@ class GPT(nn.Module):
         n_head: int = 2,
         n_embd: int = 64,
         tie_weights: bool = False,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.block_size = block_size
+        self.activation_checkpointing = activation_checkpointing
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.blocks = nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)])
@@ -183,7 +250,8 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) broadcast
         for block in self.blocks:
-            x = block(x)  # (B, T, C)
+            x = checkpointed(block, x) if self.activation_checkpointing else block(x)
+            # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
 
 
@@ -191,9 +259,25 @@ class GPT(nn.Module):
 # torchvision
 
 
-def resnet18(num_classes: int = 10) -> nn.Module:
-    """torchvision's ResNet-18, randomly initialised (no pretrained weights, no download)."""
-    return torchvision.models.resnet18(weights=None, num_classes=num_classes)
+def resnet18(num_classes: int = 10, activation_checkpointing: bool = False) -> nn.Module:
+    """torchvision's ResNet-18, randomly initialised (no pretrained weights, no download).
+
+    With activation checkpointing each residual block of layer1..layer4 is checkpointed;
+    the state_dict keys stay torchvision's."""
+    model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
+    if activation_checkpointing:
+        for name in ("layer1", "layer2", "layer3", "layer4"):
+            setattr(model, name, _CheckpointedSequential(*getattr(model, name)))
+    return model
+
+
+class _CheckpointedSequential(nn.Sequential):
+    """nn.Sequential whose children each run under `checkpointed`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self:
+            x = checkpointed(block, x)
+        return x
 
 
 # --------------------------------------------------------------------------------------

@@ -98,6 +98,10 @@ class DDPEngine(Engine):
         self.optimizer.step()
         self.zero_grad()
 
+    def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        # The AllReduced buckets: full gradients, identical on every rank, one per bucket.
+        return [b.grad for b in self.buckets], False
+
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.grad.zero_()  # in place: every .grad stays a view into its bucket

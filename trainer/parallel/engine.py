@@ -83,6 +83,40 @@ class Engine:
             "comm": [],
         }
 
+    # -- gradient clipping -------------------------------------------------------------
+    def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        """The gradients this rank holds after backward, and whether they are shards.
+
+        Unsharded (ddp): every rank holds the same full, averaged gradients. Sharded
+        (zero, fsdp): each rank holds its 1/P slice of the flat buffers; the padding at
+        the end is zero, so it adds nothing to a norm.
+        """
+        return [p.grad for p in self.module.parameters() if p.grad is not None], False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global L2 norm is at most `max_norm`; return
+        the norm before clipping, as `torch.nn.utils.clip_grad_norm_` does on one process.
+
+        Call it after `backward()` and before `step()`, on every rank: in sharded modes
+        the squared norms of the shards are summed over ranks (one small AllReduce), so
+        every rank computes the same norm and the same scale.
+        """
+        grads, sharded = self.grad_tensors()
+        device = next(self.module.parameters()).device
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
+        if sharded:
+            sq = sq.reshape(1)
+            comm.all_reduce(sq, tag="grad_norm", account=False).wait()
+            sq = sq.reshape(())
+        total = sq.sqrt()
+        # As torch: the 1e-6 keeps a zero norm finite; a factor above 1 is clamped away.
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return total
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward outside communicates."""

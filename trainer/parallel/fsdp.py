@@ -37,6 +37,19 @@ Unsharding re-allocates the storage, AllGathers into it and points each paramete
 its view (`p.data = view`). Autograd saves parameters and views of them (`w.t()`) during
 forward; they share that storage, so they are valid again once the unit is gathered
 before its backward, while between forward and backward the memory is really free.
+
+[Note: activation checkpointing]
+`torch.utils.checkpoint` (non-reentrant) reruns a checkpointed unit's forward during
+backward, hooks included, when autograd first needs one of its activations. That rerun
+is not a new forward: it must neither AllGather the unit a second time, nor prefetch the
+next unit, record the unit in the forward order, register backward hooks, nor free the
+parameters its backward is about to use. The pre-forward hook recognises it (autograd is
+executing a backward: `_recomputing()`) and only makes sure the unit is gathered:
+normally the unit's pre-backward hook already did that and the recomputation reuses the
+gathered parameters; when the checkpointed region ends after the unit (its recomputation
+then comes before the gradient reaches the unit) this is the unit's one AllGather of
+the backward, and the pre-backward hook finds it gathered. Either way each unit is
+gathered once for backward and freed after its gradients are reduced.
 """
 
 from __future__ import annotations
@@ -54,6 +67,11 @@ from trainer.errors import ConfigError
 from trainer.flat import FlatLayout
 from trainer.parallel.engine import Engine, OptimizerFactory, optimizer_state_tensors
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
+
+
+def _recomputing() -> bool:
+    """True when a forward runs inside backward: activation checkpointing recomputing."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _Unit:
@@ -162,6 +180,11 @@ class FSDPEngine(Engine):
 
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward(self, u: _Unit) -> None:
+        if _recomputing():  # [Note: activation checkpointing]
+            self._unshard(u)  # a no-op when its pre-backward hook has gathered it
+            self._wait(u)
+            comm.record("recompute_begin", u.tag)
+            return
         if u is self.root:
             self._recording = []
         elif torch.is_grad_enabled():
@@ -174,6 +197,9 @@ class FSDPEngine(Engine):
         comm.record("forward_begin", u.tag)
 
     def _post_forward(self, u: _Unit, output: Any) -> None:
+        if _recomputing():  # its backward needs the parameters next: keep them, add no hook
+            comm.record("recompute_end", u.tag)
+            return
         comm.record("forward_end", u.tag)
         if not torch.is_grad_enabled():  # no backward will follow: free everything now
             for v in [u] if u is not self.root else self.units:
@@ -249,6 +275,10 @@ class FSDPEngine(Engine):
     def step(self) -> None:
         self.optimizer.step()
         self.zero_grad()
+
+    def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        # This rank's (S,) slice of each unit's averaged gradient; padding is zero.
+        return [u.shard.grad for u in self.units if u.shard.grad is not None], True
 
     def zero_grad(self) -> None:
         for u in self.units:

@@ -184,6 +184,10 @@ class ZeroEngine(Engine):
         ]
         comm.wait_all(handles)
 
+    def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        # This rank's (S,) slice of each bucket's averaged gradient; padding is zero.
+        return [b.shard.grad for b in self.buckets if b.shard.grad is not None], True
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.module.parameters():
