@@ -19,7 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import ConfigError, PeerError, TrainingError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("mode", "model", "data", "optim")
@@ -75,6 +75,9 @@ def run_and_exit(cfg: DictConfig) -> None:
 
     try:
         train(cfg)
+    except PeerError as e:  # said by whichever rank noticed, not by rank 0 alone
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except ConfigError as e:
         fail(str(e))
     except TrainingError as e:

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message names the step."""
+
+
+class PeerError(TrainingError):
+    """Another rank stopped answering or died; every rank that notices says so."""

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from trainer import comm
+from trainer import checkpoint, comm
 from trainer import dist as tdist
 from trainer.config import engine_options, validate
 from trainer.data import make_eval_loader, make_loader
@@ -41,6 +41,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
         return _train(cfg, env)
+    except RuntimeError as e:
+        failure = tdist.peer_failure(e, cfg.dist.timeout_s)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         tdist.shutdown()
 
@@ -80,11 +85,16 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     last_eval: dict[str, float] = {}
     lr = scheduler.get_last_lr()[0]
     batches = iter(loader)
+    # Objects a checkpoint saves and restores through state_dict(), with the engine and
+    # the RNG states; resuming comes after iter(loader), which draws from the RNG.
+    resumable = {"sampler": loader.batch_sampler}
+    start = checkpoint.maybe_resume(cfg, engine, run_dir, **resumable)
+    bar.update(start)
     skipped = 0
     comm.stats.reset()
     engine.train()
     with maybe_profile(cfg.profile, run_dir, env.rank) as prof:
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(start + 1, cfg.train.steps + 1):
             inputs, targets = (t.to(env.device, non_blocking=True) for t in next(batches))
             t0 = time.perf_counter()
             loss, correct = forward_backward(engine, inputs, targets, accum)
@@ -123,6 +133,7 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
                 if values:  # rank 0
                     last_eval = values
                     writer.scalars(values, step)
+            checkpoint.maybe_save(cfg, engine, run_dir, step, **resumable)
             bar.update(1)
             prof.step()
     bar.close()

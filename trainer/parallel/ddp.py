@@ -19,7 +19,7 @@ from torch import nn
 
 from trainer import comm
 from trainer.flat import FlatLayout, bucketize
-from trainer.parallel.engine import Engine, OptimizerFactory
+from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup
 
 
 class _Bucket:
@@ -105,3 +105,8 @@ class DDPEngine(Engine):
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.grad.zero_()  # in place: every .grad stays a view into its bucket
+
+    def shard_groups(self) -> list[ShardGroup]:
+        # Every rank holds every parameter whole: one unsharded group per parameter.
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return [ShardGroup([self._names[id(p)]], FlatLayout.of([p]), p, p, False) for p in params]

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from trainer import comm
+from trainer.flat import FlatLayout
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -132,6 +134,119 @@ class Engine:
 
     def eval(self) -> Engine:
         return self.train(False)
+
+    # -- checkpoints (trainer/checkpoint.py) -----------------------------------------------
+    def shard_groups(self) -> list[ShardGroup]:
+        """Where this rank's trainable state lives, one group per flat buffer of the mode
+        (ddp: one per parameter), in a fixed order. Each mode implements it."""
+        raise NotImplementedError
+
+    def shard_layout(self) -> dict[str, Any]:
+        """Mode, world size and, per group, the parameters' names, shapes and offsets in
+        the flat buffer and each rank's range of it: what a checkpoint needs to re-cut."""
+        named = dict(self.module.named_parameters())
+        canonical: dict[int, str] = {}
+        groups = []
+        for g in self.shard_groups():
+            canonical.update({id(named[n]): n for n in g.names})
+            s = g.layout.padded_numel // self.world_size
+            ranges = [
+                [r * s, (r + 1) * s] if g.sharded else [0, g.layout.numel]
+                for r in range(self.world_size)
+            ]
+            groups.append(
+                {
+                    "names": list(g.names),
+                    "shapes": [list(shape) for shape in g.layout.shapes],
+                    "offsets": list(g.layout.offsets),
+                    "numel": g.layout.numel,
+                    "padded_numel": g.layout.padded_numel,
+                    "sharded": g.sharded,
+                    "ranges": ranges,
+                }
+            )
+        # Every state_dict key, with the grouped parameter it names (tied weights: two keys,
+        # one parameter), or None for tensors every rank keeps whole (buffers, frozen).
+        keys = [
+            [k, canonical.get(id(v))] for k, v in self.module.state_dict(keep_vars=True).items()
+        ]
+        return {"mode": self.name, "world_size": self.world_size, "groups": groups, "keys": keys}
+
+    @torch.no_grad()
+    def sharded_state(self) -> dict[str, Any]:
+        """This rank's model and optimizer state as CPU copies, 1-D per group, and the
+        layout; no communication. Unsharded groups are kept by rank 0 alone (ddp writes
+        its model once); other ranks hold None there."""
+        groups, opt = self.shard_groups(), self.optimizer
+        params, optim = [], []
+        for g in groups:
+            held = g.sharded or self.rank == 0
+            params.append(g.local.detach().reshape(-1).cpu().clone() if held else None)
+            optim.append(_optimizer_entry(opt.state.get(g.param, {}), g.param) if held else None)
+        layout = self.shard_layout()
+        module = self.module.state_dict()
+        whole = [k for k, name in layout["keys"] if name is None]
+        return {
+            "layout": layout,
+            "params": params,
+            "optim": optim,
+            "optim_hparams": [
+                {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+            ],
+            "replicated": {k: module[k].detach().cpu().clone() for k in whole},
+        }
+
+    @torch.no_grad()
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        """Inverse of sharded_state() for this engine's own layout; checkpoint.py re-cuts a
+        checkpoint of another mode or world size into it first. Every rank calls it."""
+        groups, opt = self.shard_groups(), self.optimizer
+        for g, values in zip(groups, state["params"], strict=True):
+            g.local.copy_(values.view_as(g.local))
+        index = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
+        target = opt.state_dict()
+        target["state"] = {
+            index[id(g.param)]: {
+                **entry["scalar"],
+                **{k: v.view_as(g.param) for k, v in entry["per_element"].items()},
+            }
+            for g, entry in zip(groups, state["optim"], strict=True)
+            if entry["scalar"] or entry["per_element"]
+        }
+        saved = state["optim_hparams"]
+        same = len(saved) == len(target["param_groups"])
+        for i, pg in enumerate(target["param_groups"]):
+            # The same grouping: every hyperparameter; another one (ddp's weight-decay
+            # groups against one group of shards): the learning rate alone.
+            lr = {k: saved[0][k] for k in ("lr", "initial_lr") if k in saved[0]}
+            pg.update(saved[i] if same else lr)
+        opt.load_state_dict(target)
+        module = self.module.state_dict(keep_vars=True)
+        for k, v in state["replicated"].items():
+            module[k].copy_(v)
+
+
+@dataclass
+class ShardGroup:
+    """One flat buffer of trainable parameters as a checkpoint sees it."""
+
+    names: list[str]  # parameter names (module.named_parameters()) in flat order
+    layout: FlatLayout  # shapes and offsets in the flat buffer, padded size
+    local: torch.Tensor  # this rank's values: the whole buffer, or its slice [r*S, (r+1)*S)
+    param: torch.Tensor  # the tensor the optimizer steps for it (its key in optimizer.state)
+    sharded: bool  # True: rank r holds slice r; False: every rank holds all of it
+
+
+def _optimizer_entry(state: dict[str, Any], param: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """Optimizer state of one group: tensors shaped like the parameter (exp_avg,
+    momentum_buffer, ...) as 1-D CPU copies, and the rest (step counters) as they are."""
+    per_element, scalar = {}, {}
+    for k, v in state.items():
+        if torch.is_tensor(v) and v.shape == param.shape and k != "step":
+            per_element[k] = v.detach().reshape(-1).cpu().clone()
+        else:
+            scalar[k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+    return {"per_element": per_element, "scalar": scalar}
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_leaves
 from trainer import comm
 from trainer.errors import ConfigError
 from trainer.flat import FlatLayout
-from trainer.parallel.engine import Engine, OptimizerFactory, optimizer_state_tensors
+from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup, optimizer_state_tensors
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 
 
@@ -312,3 +312,9 @@ class FSDPEngine(Engine):
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [t for r in self._reducing for t in r[2:]],
         }
+
+    def shard_groups(self) -> list[ShardGroup]:
+        # Rank r's slice of each unit, the very tensor the optimizer steps.
+        return [
+            ShardGroup(u.names, u.layout, u.shard, u.shard, True) for u in self.units if u.params
+        ]

@@ -45,7 +45,7 @@ from torch import nn
 
 from trainer import comm
 from trainer.flat import FlatLayout, bucketize
-from trainer.parallel.engine import Engine, OptimizerFactory, optimizer_state_tensors
+from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup, optimizer_state_tensors
 
 _MAX_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
 
@@ -208,3 +208,19 @@ class ZeroEngine(Engine):
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
         }
+
+    def shard_groups(self) -> list[ShardGroup]:
+        # Rank r's slice of each bucket; the optimizer steps it as `b.shard`.
+        return [
+            ShardGroup(
+                [self._names[id(p)] for p in b.params], b.layout, b.shard_data, b.shard, True
+            )
+            for b in self.buckets
+        ]
+
+    def load_sharded_state(self, state: dict) -> None:
+        super().load_sharded_state(state)
+        # Each rank loaded its own slices: gather everyone's into the full parameters.
+        comm.wait_all(
+            [comm.all_gather(b.flat, b.shard_data, tag=f"bucket{b.index}") for b in self.buckets]
+        )

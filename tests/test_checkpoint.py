@@ -1,0 +1,343 @@
+"""Checkpoints: exact resume in every mode, re-cutting into another mode or world size,
+consolidation, bad files named without touching the disk, a killed rank recovered under
+torchrun, and a hung rank reported within dist.timeout_s."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from reference import any_loss
+from test_cli import ROOT, TORCHRUN
+
+STEPS, STOP = 6, 4  # the stopped run saves at 2 and 4; the resumed one goes on to 6
+MODES = ("ddp", "zero", "fsdp")
+# Small buckets and units, so that every mode has several groups with padded shards.
+OPTIONS = {"ddp": {"bucket_mb": 0.004}, "zero": {"bucket_mb": 0.004}, "fsdp": {}}
+
+
+def _model(seed: int, n_embd: int = 12):
+    from trainer.models import GPT
+
+    torch.manual_seed(seed)  # tied embeddings: two state_dict keys, one parameter
+    return GPT(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=n_embd, tie_weights=True)
+
+
+def _build(env, mode: str, seed: int, n_embd: int = 12):
+    from trainer.data import make_loader, synthetic_tokens
+    from trainer.parallel import build_engine
+
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+    engine = build_engine(_model(seed, n_embd), mode, adamw, **OPTIONS[mode])
+    # 40 samples, global batch 8: the 6 steps cross an epoch boundary.
+    dataset = synthetic_tokens(n=40, block_size=8, vocab_size=17)
+    return engine, make_loader(dataset, 8, env.rank, env.world_size, seed=0)
+
+
+def _cfg(directory: Path, resume: str | None = None):
+    from omegaconf import OmegaConf
+
+    ckpt = {"every": 2, "dir": str(directory), "keep": 2}
+    return OmegaConf.create({"ckpt": ckpt, "resume": resume, "train": {"steps": STEPS}})
+
+
+def _train(env, engine, loader, cfg, stop: int = STEPS):
+    """The training loop's use of checkpoints, on a small GPT."""
+    from trainer import checkpoint
+
+    batches = iter(loader)
+    resumable = {"sampler": loader.batch_sampler}
+    start = checkpoint.maybe_resume(cfg, engine, Path("unused"), **resumable)
+    for step in range(start + 1, stop + 1):
+        x, y = next(batches)
+        engine.backward(any_loss(engine(x), y))
+        engine.step()
+        checkpoint.maybe_save(cfg, engine, Path("unused"), step, **resumable)
+    return start, engine.full_state_dict()
+
+
+def _stop_and_resume(env, mode: str, root: Path):
+    _, want = _train(env, *_build(env, mode, seed=0), _cfg(root / "whole"))
+    _train(env, *_build(env, mode, seed=0), _cfg(root / "ckpt"), stop=STOP)
+    # A new engine, built from other initial values, continues from the checkpoint.
+    start, got = _train(env, *_build(env, mode, seed=1), _cfg(root / "ckpt", resume="auto"))
+    return start, want, got
+
+
+def _resume_from(env, mode: str, path: Path, root: Path):
+    return _train(env, *_build(env, mode, seed=2), _cfg(root, resume=str(path)))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Per mode, on 2 ranks: (resumed step, uninterrupted final state, stopped-and-resumed
+    final state, directory with the checkpoints)."""
+    cache = {}
+
+    def get(mode: str):
+        if mode not in cache:
+            root = tmp_path_factory.mktemp(mode)
+            rank0, rank1 = run_distributed(_stop_and_resume, 2, mode, root)
+            assert rank0[0] == rank1[0]
+            cache[mode] = (*rank0, root)
+        return cache[mode]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_and_resume_is_bitwise_equal(saved, mode):
+    start, want, got, root = saved(mode)
+    assert start == STOP
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # keep=2: the older checkpoint went once the newer two were complete.
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_000004", "step_000006"]
+    names = sorted(p.name for p in (root / "ckpt" / "step_000006").iterdir())
+    assert names == ["meta.pt", "rank0.pt", "rank1.pt"]
+
+
+@pytest.mark.parametrize(
+    "src, dst, world", [("zero", "ddp", 1), ("fsdp", "zero", 2), ("ddp", "fsdp", 1)]
+)
+def test_resume_into_another_mode_or_world_size(saved, tmp_path, src, dst, world):
+    _, want, _, root = saved(src)
+    results = run_distributed(_resume_from, world, dst, root / "ckpt" / "step_000004", tmp_path)
+    start, got = results[0]
+    assert start == STOP
+    # Another mode sums in another order. Adam turns the rounding noise of gradients
+    # that should be 0 (attention's key bias) into steps of up to lr = 1e-2 in size, so
+    # the bound is 1e-4: far below what a lost or misplaced optimizer state produces.
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_what_a_checkpoint_holds(saved):
+    def load(mode: str, name: str) -> dict:
+        path = saved(mode)[3] / "ckpt" / "step_000006" / name
+        return torch.load(path, weights_only=True)
+
+    meta = load("zero", "meta.pt")
+    assert meta["step"] == 6 and "every: 2" in meta["config"]  # the config, as YAML
+    assert meta["state"]["sampler"]["epoch"] == 1  # 6 global batches of 5 per epoch
+    layout = meta["layout"]
+    assert layout["mode"] == "zero" and layout["world_size"] == 2 and len(layout["groups"]) > 1
+    for g in layout["groups"]:  # rank r holds [r*S, (r+1)*S) of the padded bucket
+        s = g["padded_numel"] // 2
+        assert g["sharded"] and g["ranges"] == [[0, s], [s, 2 * s]]
+    # Each rank wrote its own shard with its optimizer state, step counters included.
+    for r in (0, 1):
+        shard = load("zero", f"rank{r}.pt")
+        sizes = [g["padded_numel"] // 2 for g in layout["groups"]]
+        assert [t.numel() for t in shard["params"]] == sizes
+        assert all(int(o["scalar"]["step"]) == 6 for o in shard["optim"])
+        assert {"torch", "python", "numpy"} <= shard["rng"].keys()
+    # ddp writes its model once: rank 1's file holds its RNG states only.
+    ddp0, ddp1 = load("ddp", "rank0.pt"), load("ddp", "rank1.pt")
+    assert all(t is not None for t in ddp0["params"])
+    assert all(t is None for t in ddp1["params"]) and "torch" in ddp1["rng"]
+
+
+def test_ckpt_options_are_checked():
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import check_config
+    from trainer.errors import ConfigError
+
+    for key, value in [("every", -1), ("keep", 1.5)]:
+        cfg = OmegaConf.create({"ckpt": {"every": 2, "keep": 2, key: value}})
+        with pytest.raises(ConfigError, match=f"ckpt.{key}={value} must be a whole number >= 0"):
+            check_config(cfg)
+
+
+def test_consolidate_gives_a_state_dict_plain_torch_load_reads(saved, tmp_path):
+    _, _, got, root = saved("fsdp")
+    out = tmp_path / "full.pt"
+    script = ROOT / "scripts" / "consolidate.py"
+    ckpt = root / "ckpt" / "step_000006"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(ckpt), str(out)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = _model(seed=5)
+    model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, got[k]), k
+
+
+# ---------------------------------------------------------------------------------------
+# Bad checkpoints: named errors, nothing changed
+
+
+def _try_loads(env, cases: dict[str, tuple[Path, int]], auto_root: Path):
+    from trainer import checkpoint
+    from trainer.errors import ConfigError
+
+    engine, loader = _build(env, "zero", seed=3)
+    before = engine.full_state_dict()
+    errors = {}
+    for name, (path, n_embd) in cases.items():
+        target = engine if n_embd == 12 else _build(env, "zero", seed=3, n_embd=n_embd)[0]
+        try:
+            checkpoint.load(path, target, sampler=loader.batch_sampler)
+            errors[name] = None
+        except ConfigError as e:
+            errors[name] = str(e)
+    after = engine.full_state_dict()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    # resume=auto passes over a damaged newer checkpoint and an unfinished save.
+    auto = checkpoint.maybe_resume(_cfg(auto_root, resume="auto"), engine, Path("unused"))
+    return errors, unchanged, auto
+
+
+def _flip_a_tensor_byte(file: Path) -> None:
+    with zipfile.ZipFile(file) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(file, "r+b") as f:
+        f.seek(info.header_offset + 26)  # local header: name and extra field lengths
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        pos = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def _snapshot(root: Path) -> dict[str, tuple]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_bad_checkpoints_are_named_and_left_alone(saved, tmp_path):
+    zero, fsdp = saved("zero")[3] / "ckpt", saved("fsdp")[3] / "ckpt"
+    good = zero / "step_000004"
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(good, tmp_path / name / "step_000004"))
+
+    truncated = copy("truncated")
+    os.truncate(truncated / "rank1.pt", (truncated / "rank1.pt").stat().st_size // 2)
+    corrupted = copy("corrupted")
+    _flip_a_tensor_byte(corrupted / "rank0.pt")
+    missing = copy("missing")
+    (missing / "rank1.pt").unlink()
+    other_layout = copy("other_layout")
+    shutil.copy(fsdp / "step_000004" / "rank1.pt", other_layout / "rank1.pt")
+    auto = tmp_path / "auto"
+    shutil.copytree(good, auto / "step_000004")
+    shutil.copytree(truncated, auto / "step_000005")  # final name, damaged
+    shutil.copytree(good, auto / "step_000006.tmp-1234abcd")  # a save that never finished
+    (auto / "step_000006.tmp-1234abcd" / "meta.pt").unlink()
+
+    cases = {
+        "truncated": (truncated, 12),
+        "corrupted": (corrupted, 12),
+        "missing": (missing, 12),
+        "other_layout": (other_layout, 12),
+        "other_model": (good, 16),
+        "nowhere": (tmp_path / "nowhere", 12),
+    }
+    before = _snapshot(tmp_path), _snapshot(zero)
+    [(errors, unchanged, resumed)] = run_distributed(_try_loads, 1, cases, auto)
+    assert errors["truncated"].startswith(f"{truncated / 'rank1.pt'} is truncated or corrupted")
+    assert str(corrupted / "rank0.pt") in errors["corrupted"]
+    assert "corrupted" in errors["corrupted"]
+    assert errors["missing"] == f"{missing / 'rank1.pt'} is missing: the checkpoint is incomplete"
+    assert errors["other_layout"].startswith(f"{other_layout / 'rank1.pt'} does not belong")
+    assert "it holds a shard of mode fsdp over 2 ranks" in errors["other_layout"]
+    assert errors["other_model"].startswith(f"{good / 'meta.pt'} does not match this model")
+    assert "has shape" in errors["other_model"]
+    assert "does not exist" in errors["nowhere"]
+    assert all("\n" not in e for e in errors.values())
+    assert unchanged, "a failed load changed the engine"
+    assert resumed == 4
+    assert (_snapshot(tmp_path), _snapshot(zero)) == before, "a load touched the disk"
+
+
+# ---------------------------------------------------------------------------------------
+# Under torchrun: a rank killed with SIGKILL, a rank that hangs
+
+CLI_ARGS = [
+    "mode=zero",
+    "mode.bucket_mb=0.01",
+    "model.hidden=32",
+    "train.batch_size=32",
+    "train.steps=8",
+    "train.log_every=4",
+    "ckpt.every=2",
+]
+
+
+def _torchrun(args: list[str], env: dict[str, str], restarts: int = 0, timeout: float = 300):
+    return subprocess.run(
+        [*TORCHRUN, "--nproc-per-node=2", f"--max-restarts={restarts}", str(ROOT / "train.py")]
+        + args,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    proc = _torchrun([*CLI_ARGS, f"hydra.run.dir={run_dir}"], {})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(run_dir / "final_model.pt", weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "1:5:kill",  # after step 5: the group restarts from step 4
+        "1:6:kill_in_save",  # halfway through writing step 6: step 4 is still complete
+    ],
+)
+def test_killed_rank_restarts_and_ends_equal(uninterrupted, tmp_path, fault):
+    run_dir, marker = tmp_path / "run", tmp_path / "fired"
+    faults = {"SHARDTRAIN_FAULT": fault, "SHARDTRAIN_FAULT_ONCE": str(marker)}
+    # No resume= given: a restarted group resumes by itself.
+    proc = _torchrun([*CLI_ARGS, f"hydra.run.dir={run_dir}"], faults, restarts=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists(), "the fault never fired"
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_000004'} at step 4" in proc.stdout
+    got = torch.load(run_dir / "final_model.pt", weights_only=True)
+    assert got.keys() == uninterrupted.keys()
+    for k in got:
+        assert torch.equal(got[k], uninterrupted[k]), k
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step_000006", "step_000008"]  # the unfinished save was cleared away
+
+
+@pytest.mark.slow
+def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
+    t0 = time.monotonic()
+    proc = _torchrun(
+        [*CLI_ARGS, f"hydra.run.dir={tmp_path / 'run'}", "dist.timeout_s=10"],
+        {"SHARDTRAIN_FAULT": "1:3:hang"},
+        timeout=180,
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    # The line may follow rank 0's progress bar, which ends in a carriage return.
+    lines = proc.stderr.replace("\r", "\n").splitlines()
+    errors = [line for line in lines if "error: rank 0:" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "no answer from the other ranks within dist.timeout_s=10 s" in errors[0]
+    assert elapsed < 120, f"took {elapsed:.0f} s"
