@@ -278,6 +278,8 @@ CLI_ARGS = [
     "train.steps=8",
     "train.log_every=4",
     "ckpt.every=2",
+    "optim.schedule=cosine",  # the lr schedule's position is restored too
+    "optim.warmup_steps=2",
 ]
 
 

@@ -87,7 +87,7 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     batches = iter(loader)
     # Objects a checkpoint saves and restores through state_dict(), with the engine and
     # the RNG states; resuming comes after iter(loader), which draws from the RNG.
-    resumable = {"sampler": loader.batch_sampler}
+    resumable = {"sampler": loader.batch_sampler, "scheduler": scheduler}
     start = checkpoint.maybe_resume(cfg, engine, run_dir, **resumable)
     bar.update(start)
     skipped = 0
