@@ -348,8 +348,8 @@ def _check_split(shard: torch.Tensor, full: torch.Tensor, p: int, op: str) -> No
 # of all landing on rank 0. A ring (P-1 dependent steps: receive from r-1, add, forward
 # to r+1) sends the same bytes but needs a helper thread to chain its steps; it measured
 # slower than this on Gloo at every size and world size tried (docs/comm_bench.md). The
-# price is a receive buffer of (P-1)/P of the input per reduce-scatter in flight (a ring
-# needs 2/P).
+# price is a receive buffer of (P-2)/P of the input per reduce-scatter in flight, (P-1)/P
+# when the output is the input's own chunk (a ring needs 2/P).
 # NCCL's native collectives are already bandwidth-optimal rings/trees: NCCL stays native.
 
 use_p2p: bool | None = None  # None: p2p on Gloo, native elsewhere; True/False force either
@@ -395,15 +395,21 @@ def _p2p_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> _P2
     p, r = world_size(group), rank(group)
     chunks = input.view(p, -1)  # (P, n): chunk j is summed on rank j
     out = output.view(-1)  # (n,); may be chunks[r] itself (in place)
-    received = input.new_empty((p - 1, out.numel()))  # (P-1, n): row k-1 from rank r-k
+    # Out of place, the first chunk received lands straight in `out`: one receive buffer
+    # fewer (none at P=2) and no copy of chunks[r]; a + b == b + a, so the sum is the same.
+    direct = p > 1 and out.data_ptr() != chunks[r].data_ptr()
+    received = input.new_empty((p - 1 - direct, out.numel()))  # (P-1 or P-2, n)
+    rows = [out, *received] if direct else list(received)  # row k-1 from rank r-k
     works = _exchange(
         [(chunks[(r + k) % p], (r + k) % p) for k in range(1, p)],
-        [(received[k - 1], (r - k) % p) for k in range(1, p)],
+        [(rows[k - 1], (r - k) % p) for k in range(1, p)],
         group,
     )
 
     def finish() -> None:
-        if out.data_ptr() != chunks[r].data_ptr():
+        if direct:
+            out.add_(chunks[r])
+        elif out.data_ptr() != chunks[r].data_ptr():  # P = 1
             out.copy_(chunks[r])
         for row in received:
             out.add_(row)
