@@ -237,12 +237,12 @@ class FSDPEngine(Engine):
             # over micro-batches; the next synced backward reduces the sum.
             self._reshard(u)
             return
+        self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
         flat = torch.zeros_like(u.full)  # (P*S,) padding stays zero
         for view, p in zip(u.layout.views(flat), u.params, strict=True):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
-        self._reshard(u)
         out = torch.empty_like(u.shard)  # (S,)
         self._reducing.append(
             (u, comm.reduce_scatter(out, flat, average=True, tag=u.tag), out, flat)
