@@ -87,60 +87,6 @@ def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * b : (rank + 1) * b]
 
 
-loss_fn = nn.CrossEntropyLoss()
-
-
-def train_single(kind: str, optim: str, steps: int, batch: int, accum: int = 1):
-    """One process, whole global batch: the ground truth."""
-    model = make_model(kind, seed=0)
-    opt = OPTIMIZERS[optim](model.parameters())
-    for x, y in global_batches(steps, batch):
-        for xs, ys in zip(x.chunk(accum), y.chunk(accum), strict=True):
-            (loss_fn(model(xs), ys) / accum).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def train_engine(
-    env, mode: str, kind: str, optim: str, steps: int, batch: int, accum: int = 1, **options
-):
-    """Our engine on this rank's slice; the model is built with a rank-dependent seed so
-    that the build-time broadcast is exercised."""
-    from trainer.parallel import build_engine
-
-    model = make_model(kind, seed=env.rank)
-    engine = build_engine(model, mode=mode, optimizer=OPTIMIZERS[optim], **options)
-    for x, y in global_batches(steps, batch):
-        xr, yr = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
-        micro = list(zip(xr.chunk(accum), yr.chunk(accum), strict=True))
-        for i, (xs, ys) in enumerate(micro):
-            if i < accum - 1:
-                with engine.no_sync():
-                    engine.backward(loss_fn(engine(xs), ys) / accum)
-            else:
-                engine.backward(loss_fn(engine(xs), ys) / accum)
-        engine.step()
-    return engine.full_state_dict()
-
-
-def train_torch_ddp(env, kind: str, optim: str, steps: int, batch: int, accum: int = 1):
-    model = nn.parallel.DistributedDataParallel(make_model(kind, seed=env.rank))
-    opt = OPTIMIZERS[optim](model.parameters())
-    for x, y in global_batches(steps, batch):
-        xr, yr = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
-        micro = list(zip(xr.chunk(accum), yr.chunk(accum), strict=True))
-        for i, (xs, ys) in enumerate(micro):
-            if i < accum - 1:
-                with model.no_sync():
-                    (loss_fn(model(xs), ys) / accum).backward()
-            else:
-                (loss_fn(model(xs), ys) / accum).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-
-
 def assert_state_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) -> None:
     assert got.keys() == want.keys()
     for k in want:
@@ -197,8 +143,8 @@ def any_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
-def train_single_any(kind: str, optim: str, steps: int, batch: int, accum: int = 1) -> dict:
-    """`train_single` for every kind in MODELS."""
+def train_single(kind: str, optim: str, steps: int, batch: int, accum: int = 1) -> dict:
+    """One process, whole global batch: the ground truth."""
     model = make_model(kind, seed=0)
     opt = OPTIMIZERS[optim](model.parameters())
     for x, y in batches(kind, steps, batch):
@@ -222,11 +168,11 @@ def _train_rank(env, kind, steps, batch, accum, forward, backward, no_sync, step
         step()
 
 
-def train_engine_and_torch_ddp(
+def train_engine(
     env, mode: str, kind: str, optim: str, steps: int, batch: int, accum: int = 1, **options
-) -> tuple[dict, dict]:
-    """Our engine, then torch DDP, in one process group; returns both final state_dicts.
-    Both build the model with a rank-dependent seed, so their initial broadcasts matter."""
+) -> dict:
+    """Our engine on this rank's slice. The model is built with a rank-dependent seed, so
+    that the build-time broadcast is exercised."""
     from trainer.parallel import build_engine
 
     engine = build_engine(
@@ -235,8 +181,11 @@ def train_engine_and_torch_ddp(
     _train_rank(
         env, kind, steps, batch, accum, engine, engine.backward, engine.no_sync, engine.step
     )
-    ours = engine.full_state_dict()
+    return engine.full_state_dict()
 
+
+def train_torch_ddp(env, kind: str, optim: str, steps: int, batch: int, accum: int = 1) -> dict:
+    """torch's own DistributedDataParallel on the same slices."""
     ddp = nn.parallel.DistributedDataParallel(make_model(kind, seed=env.rank))
     opt = OPTIMIZERS[optim](ddp.parameters())
 
@@ -247,4 +196,12 @@ def train_engine_and_torch_ddp(
     _train_rank(
         env, kind, steps, batch, accum, ddp, lambda loss: loss.backward(), ddp.no_sync, ddp_step
     )
-    return ours, {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+
+
+def train_engine_and_torch_ddp(
+    env, mode: str, kind: str, optim: str, steps: int, batch: int, accum: int = 1, **options
+) -> tuple[dict, dict]:
+    """Our engine, then torch DDP, in one process group; returns both final state_dicts."""
+    ours = train_engine(env, mode, kind, optim, steps, batch, accum, **options)
+    return ours, train_torch_ddp(env, kind, optim, steps, batch, accum)

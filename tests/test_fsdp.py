@@ -15,7 +15,7 @@ from reference import (
     batches,
     make_model,
     train_engine_and_torch_ddp,
-    train_single_any,
+    train_single,
 )
 from torch import nn
 
@@ -120,7 +120,7 @@ def _pads(kind: str, world: int, options: dict) -> bool:
 def test_parity_with_single_process_and_torch_ddp(world, kind, reshard, options):
     if world > 1:
         assert _pads(kind, world, options)  # some unit's flat buffer carries padding
-    want = train_single_any(kind, "adamw", STEPS, BATCH)
+    want = train_single(kind, "adamw", STEPS, BATCH)
     out = run_distributed(
         train_engine_and_torch_ddp,
         world,
@@ -157,7 +157,7 @@ def test_resnet18_batchnorm_follows_torch_ddp(world, reshard):
 
 
 def test_no_sync_accumulation_equals_big_batch():
-    want = train_single_any("mlp", "adamw", STEPS, 24)
+    want = train_single("mlp", "adamw", STEPS, 24)
     out = run_distributed(
         train_engine_and_torch_ddp, 2, "fsdp", "mlp", "adamw", STEPS, 24, accum=3, **MLP_UNITS
     )

@@ -24,7 +24,7 @@ from reference import (
     batches,
     make_model,
     rank_slice,
-    train_single_any,
+    train_single,
 )
 from test_cli import run_cli, scalars
 from torch import nn
@@ -209,7 +209,7 @@ def ranks(request):
 
 @functools.cache
 def _big_batch() -> dict:
-    return train_single_any("gpt", "sgd", STEPS, BATCH, accum=1)
+    return train_single("gpt", "sgd", STEPS, BATCH, accum=1)
 
 
 @functools.cache
