@@ -238,11 +238,14 @@ class FSDPEngine(Engine):
             self._reshard(u)
             return
         self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
-        flat = torch.zeros_like(u.full)  # (P*S,) padding stays zero
+        flat = torch.empty_like(u.full)  # (P*S,) every element is written below
+        flat[u.layout.numel :].zero_()  # padding
         for view, p in zip(u.layout.views(flat), u.params, strict=True):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
+            else:
+                view.zero_()
         out = torch.empty_like(u.shard)  # (S,)
         self._reducing.append(
             (u, comm.reduce_scatter(out, flat, average=True, tag=u.tag), out, flat)

@@ -75,8 +75,10 @@ class _Bucket:
     def grad_slot(self, p: nn.Parameter) -> torch.Tensor:
         """`p`'s place in the flat gradient buffer (allocated on first use), shaped like p."""
         if self.grad is None:
-            # zeros: padding and parameters that get no gradient must reduce to zero
-            self.grad = torch.zeros_like(self.flat)
+            # Slots are all written (a gradient, or zeros in _launch_ready when a parameter
+            # got none): only the padding is zeroed here, so no memset of the whole buffer.
+            self.grad = torch.empty_like(self.flat)
+            self.grad[self.layout.numel :].zero_()
         i = self.slot[id(p)]
         o = self.layout.offsets[i]
         return self.grad[o : o + p.numel()].view_as(p)
@@ -133,6 +135,8 @@ class ZeroEngine(Engine):
                     if p.grad is not None:
                         slot.copy_(p.grad)
                         p.grad = None
+                    else:
+                        slot.zero_()
             b.reduced = torch.empty_like(b.shard_data)
             b.handle = comm.reduce_scatter(b.reduced, b.grad, average=True, tag=f"bucket{b.index}")
             self._in_flight.append(b)
