@@ -29,7 +29,10 @@ import torch.distributed as dist
 class CommStats:
     bytes_sent: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    busy_s: float = 0.0  # launch -> completion observed, summed over collectives
+    # Wall time with at least one collective in flight (launch -> completion observed):
+    # the union of the intervals, so collectives in flight together count once.
+    busy_s: float = 0.0
+    busy_until: float = 0.0
     exposed_s: float = 0.0  # time callers spent blocked in Handle.wait()
 
     def settle(self) -> None:
@@ -46,6 +49,7 @@ class CommStats:
         self.bytes_sent.clear()
         self.calls.clear()
         self.busy_s = 0.0
+        self.busy_until = 0.0
         self.exposed_s = 0.0
 
 
@@ -93,7 +97,10 @@ class Handle:
                 self._work.wait()
             end = time.perf_counter()
             stats.exposed_s += end - t
-            stats.busy_s += end - self._t0
+            # Waits return in time order, so the part of [t0, end] not yet counted is
+            # what lies after the last counted end.
+            stats.busy_s += max(0.0, end - max(self._t0, stats.busy_until))
+            stats.busy_until = max(stats.busy_until, end)
             if self._post is not None:
                 self._post()
         self._keep = ()
