@@ -55,7 +55,6 @@ import signal
 import time
 import uuid
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +106,7 @@ def save(
     checkpoints]). Returns once the checkpoint is complete and visible to every rank."""
     directory, rank = Path(directory), comm.rank()
     final = step_dir(directory, step)
-    with _quiet_stats():
+    with comm.unaccounted():
         name: list[Any] = [None]
         if rank == 0:
             try:
@@ -267,7 +266,7 @@ def load(path: Path, engine, **stateful: Any) -> int:
         error = str(e)
     except Exception as e:  # reading must fail alike on every rank, not leave one behind
         error = f"checkpoint {path} cannot be loaded: {type(e).__name__}: {_line(e)}"
-    with _quiet_stats():
+    with comm.unaccounted():
         error = _first_error(error, _device(engine))
     if error is not None:
         raise ConfigError(error)
@@ -278,7 +277,7 @@ def load(path: Path, engine, **stateful: Any) -> int:
                 obj.load_state_dict(meta["state"][name])
             except ConfigError as e:
                 raise ConfigError(f"{path / 'meta.pt'}: {e}") from None
-    with _quiet_stats():
+    with comm.unaccounted():
         engine.load_sharded_state(state)
     if rng is not None:
         _set_rng_state(rng)
@@ -555,21 +554,6 @@ def _first_error(error: str | None, device: torch.device) -> str | None:
     message = [error]
     comm.broadcast_object(message, src=int(ranks[0]))
     return message[0]
-
-
-@contextmanager
-def _quiet_stats():
-    """Keep checkpoint collectives out of the training traffic and timing figures."""
-    s = comm.stats
-    saved = (dict(s.bytes_sent), dict(s.calls), s.busy_s, s.exposed_s)
-    try:
-        yield
-    finally:
-        s.bytes_sent.clear()
-        s.bytes_sent.update(saved[0])
-        s.calls.clear()
-        s.calls.update(saved[1])
-        s.busy_s, s.exposed_s = saved[2], saved[3]
 
 
 def _say(message: str) -> None:

@@ -61,6 +61,27 @@ trace: list[tuple[str, str]] | None = None
 delay_s: float = 0.0
 
 
+@contextlib.contextmanager
+def unaccounted():
+    """Collectives inside the block stay out of `stats`: evaluation and checkpoint
+    traffic is not part of a training step's figures."""
+    saved = (
+        dict(stats.bytes_sent),
+        dict(stats.calls),
+        stats.busy_s,
+        stats.busy_until,
+        stats.exposed_s,
+    )
+    try:
+        yield
+    finally:
+        stats.bytes_sent.clear()
+        stats.bytes_sent.update(saved[0])
+        stats.calls.clear()
+        stats.calls.update(saved[1])
+        stats.busy_s, stats.busy_until, stats.exposed_s = saved[2:]
+
+
 def record(event: str, tag: str = "") -> None:
     """Append an event to the trace when a test is recording; free otherwise."""
     if trace is not None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +133,7 @@ def evaluate(
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     engine.eval()
     try:
-        with torch.no_grad(), _not_training_traffic():
+        with torch.no_grad(), comm.unaccounted():
             for inputs, targets in batches:
                 inputs = inputs.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
@@ -150,21 +149,6 @@ def evaluate(
         return None
     loss_sum, correct, count = sums.tolist()
     return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
-
-
-@contextmanager
-def _not_training_traffic() -> Iterator[None]:
-    """Collectives inside the block are left out of comm.stats (the interval's figures)."""
-    st = comm.stats
-    saved = dict(st.bytes_sent), dict(st.calls), st.busy_s, st.exposed_s
-    try:
-        yield
-    finally:
-        st.bytes_sent.clear()
-        st.bytes_sent.update(saved[0])
-        st.calls.clear()
-        st.calls.update(saved[1])
-        st.busy_s, st.exposed_s = saved[2], saved[3]
 
 
 # Dense peak FLOP/s of one device by name (vendor data sheets, no sparsity), by the dtype
