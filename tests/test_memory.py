@@ -9,7 +9,6 @@ import torch
 from dist_harness import run_distributed
 
 from trainer.memory import bandwidth, expected, expected_traffic, measure
-from trainer.parallel import ENGINES
 
 # Tiny MLP(in_dim=3, hidden=5, depth=2, num_classes=3), Ψ = 68:
 #   layers.0  Linear(3, 5)  15 + 5 = 20
@@ -102,15 +101,13 @@ def _logged(env):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def accounted(request):
-    modes = [m for m in ("ddp", "zero", "fsdp") if m in ENGINES]
+    modes = ["ddp", "zero", "fsdp"]
     return request.param, run_distributed(_account, request.param, modes)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
 def test_accounting_equals_hand_computed_bytes(accounted, mode):
     world, results = accounted
-    if mode not in ENGINES:
-        pytest.skip(f"mode={mode} is not registered")
     figures = results[0][mode]["tiny"]
     for kind, want in HAND[mode, world].items():
         for r in range(world):
@@ -124,8 +121,6 @@ def test_accounting_equals_hand_computed_bytes(accounted, mode):
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
 def test_measured_model_state_within_10pct_of_formula(accounted, mode):
     world, results = accounted
-    if mode not in ENGINES:
-        pytest.skip(f"mode={mode} is not registered")
     figures = results[0][mode]["medium"]
     psi = 32 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 10 + 10
     formula = {"ddp": 16 * psi, "zero": 4 * psi + 12 * psi / world, "fsdp": 16 * psi / world}
