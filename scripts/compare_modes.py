@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("ddp", "zero", "fsdp")
-KINDS = ("params", "grads", "optimizer", "comm", "model_state")
+KINDS = ("params", "master", "grads", "optimizer", "comm", "model_state")
 # A model where parameters, not activations or the runtime, dominate model state, and
 # few steps: each run takes seconds on CPU.
 DEFAULTS = [

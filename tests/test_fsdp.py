@@ -21,7 +21,6 @@ from torch import nn
 
 from trainer.flat import FlatLayout
 from trainer.models import GPT, MLP
-from trainer.parallel.fsdp import FSDPEngine
 from trainer.parallel.units import plan_units
 
 STEPS, BATCH = 2, 8
@@ -88,11 +87,16 @@ def test_tied_and_shared_parameters_go_to_the_common_unit():
     assert sum(len(u.params) for u in plan) == len(list(model.parameters()))
 
 
-def test_mode_config_matches_the_constructor():
-    cfg = OmegaConf.load(Path(__file__).parent.parent / "conf/mode/fsdp.yaml")
-    assert cfg.name == "fsdp"
-    accepted = inspect.signature(FSDPEngine).parameters
-    assert set(cfg) - {"name"} <= set(accepted)
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_mode_config_matches_the_constructor(mode):
+    from trainer.parallel import ENGINES, build_engine
+
+    cfg = OmegaConf.load(Path(__file__).parent.parent / f"conf/mode/{mode}.yaml")
+    assert cfg.name == mode
+    # build_engine takes the options every mode shares (reduce_dtype), the mode the rest
+    accepted = {*inspect.signature(ENGINES[mode]).parameters}
+    accepted |= {*inspect.signature(build_engine).parameters}
+    assert set(cfg) - {"name"} <= accepted
 
 
 # -- parity -------------------------------------------------------------------------------

@@ -46,12 +46,32 @@ HAND = {
     ("fsdp", 4): _bytes(18 * 4, 18 * 4, 2 * 18 * 4 + 2 * 4),
 }
 
+
+# The same with precision=bf16 (fp32 reduction): module params in bf16, fp32 masters of
+# what each rank owns (ddp: all; zero: its slice; fsdp: its shards, which are its
+# params), fp32 gradients next to them.
+def _bf16(params: int, master: int, grads: int, optimizer: int) -> dict[str, int]:
+    return {"params": params, "master": master, "grads": grads, "optimizer": optimizer}
+
+
+HAND_BF16 = {
+    # params 68 x 2; masters 68 x 4; the fp32 bucket is the masters' .grad
+    ("ddp", 2): _bf16(136, 272, 272, 544 + 24),
+    ("ddp", 4): _bf16(136, 272, 272, 544 + 24),
+    # the bf16 flat bucket; this rank's fp32 slice (68/P) and its fp32 mean gradient
+    ("zero", 2): _bf16(136, 34 * 4, 34 * 4, 2 * 34 * 4 + 4),
+    ("zero", 4): _bf16(136, 17 * 4, 17 * 4, 2 * 17 * 4 + 4),
+    # fp32 shards as in fp32 (34 and 18 elements, see HAND); bf16 units only while used
+    ("fsdp", 2): _bf16(34 * 4, 0, 34 * 4, 2 * 34 * 4 + 2 * 4),
+    ("fsdp", 4): _bf16(18 * 4, 0, 18 * 4, 2 * 18 * 4 + 2 * 4),
+}
+
 # A model where the formulas dominate (Ψ = 142,602): measured within 10% of them.
 MEDIUM = dict(in_dim=32, hidden=256, depth=3, num_classes=10)
 MEDIUM_OPTIONS = {"ddp": {}, "zero": {}, "fsdp": {"min_unit_params": 50_000}}
 
 
-def _one_step(env, mode: str, sizes: dict, options: dict):
+def _one_step(env, mode: str, sizes: dict, options: dict, precision: str = "fp32"):
     from functools import partial
 
     from trainer.memory import MemoryMonitor, count_params
@@ -61,7 +81,8 @@ def _one_step(env, mode: str, sizes: dict, options: dict):
     torch.manual_seed(0)
     model = MLP(**sizes)
     psi = count_params(model)
-    engine = build_engine(model, mode, partial(torch.optim.AdamW, lr=1e-3), **options)
+    adamw = partial(torch.optim.AdamW, lr=1e-3)
+    engine = build_engine(model, mode, adamw, precision=precision, **options)
     monitor = MemoryMonitor(engine, psi)
     g = torch.Generator().manual_seed(env.rank)
     x = torch.randn(4, sizes["in_dim"], generator=g)
@@ -82,7 +103,9 @@ def _account(env, modes: list[str]):
         gathers = dict(comm.stats.calls)
         _, monitor = _one_step(env, mode, MEDIUM, MEDIUM_OPTIONS[mode])
         medium = monitor.gather()
-        out[mode] = {"tiny": tiny, "gathers": gathers, "medium": medium}
+        _, monitor = _one_step(env, mode, TINY, OPTIONS[mode], precision="bf16")
+        bf16 = monitor.gather()
+        out[mode] = {"tiny": tiny, "gathers": gathers, "medium": medium, "bf16": bf16}
     out["logged"] = _logged(env)
     return out
 
@@ -116,6 +139,20 @@ def test_accounting_equals_hand_computed_bytes(accounted, mode):
     state = sum(HAND[mode, world][k] for k in ("params", "grads", "optimizer"))
     assert figures["memory/model_state_bytes/max"] == state
     assert figures["memory/peak_bytes/max"] > state  # the whole process, on CPU
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_bf16_accounting_follows_the_dtypes(accounted, mode):
+    world, results = accounted
+    figures = results[0][mode]["bf16"]
+    for kind, want in HAND_BF16[mode, world].items():
+        assert figures[f"memory/{kind}_bytes/max"] == want, kind
+        # the formula leaves out padding and the optimizer's step counters
+        assert figures[f"memory/expected/{kind}_bytes"] == pytest.approx(want, abs=24), kind
+    psi, p = 68, world
+    gathered = {"ddp": 0, "zero": 1, "fsdp": 2}[mode] * (p - 1) / p * psi * 2  # bf16
+    reduced = {"ddp": 2, "zero": 1, "fsdp": 1}[mode] * (p - 1) / p * psi * 4  # fp32
+    assert figures["comm/expected_bytes_per_step"] == pytest.approx(gathered + reduced)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
@@ -205,8 +242,18 @@ def test_expected_formulas_adjust_for_dtype_and_optimizer():
     psi, p = 1000, 4
     fp32_adamw = {m: expected(m, psi, p, 4, 4, 8)["model_state"] for m in ("ddp", "zero", "fsdp")}
     assert fp32_adamw == {"ddp": 16 * psi, "zero": 4 * psi + 12 * psi / p, "fsdp": 16 * psi / p}
-    sgd_bf16 = expected("zero", psi, p, 2, 2, 2)  # bf16 params and momentum
-    assert (sgd_bf16["params"], sgd_bf16["grads"], sgd_bf16["optimizer"]) == (2000, 500, 500)
+    # bf16 compute, fp32 reduction and masters, AdamW: 2Ψ + (4 + 4 + 8)Ψ/P in zero
+    bf16 = {m: expected(m, psi, p, 2, 4, 8) for m in ("ddp", "zero", "fsdp")}
+    assert [bf16[m]["model_state"] for m in bf16] == [18 * psi, 2 * psi + 16 * psi / p, 4000]
+    assert (bf16["zero"]["params"], bf16["zero"]["master"], bf16["zero"]["grads"]) == (
+        2000,
+        1000,
+        1000,
+    )
+    assert bf16["ddp"]["grads"] == 4 * psi  # the fp32 buckets are the masters' gradients
+    assert expected("ddp", psi, p, 2, 2, 8)["grads"] == 6 * psi  # bf16 buckets + fp32 copies
+    assert expected_traffic("zero", psi, 2, p, grad_bytes=4) == 3 / 4 * psi * (4 + 2)
+    assert expected_traffic("fsdp", psi, 2, p, grad_bytes=4) == 3 / 4 * psi * (4 + 2 * 2)
     assert expected("fsdp", psi, p, 4, 4, 8, unit_bytes=123)["working_set"] == 4000 + 123
     assert expected_traffic("ddp", psi, 4, p) == 2 * 3 / 4 * 4000
     assert expected_traffic("zero", psi, 4, p) == 2 * 3 / 4 * 4000

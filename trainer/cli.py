@@ -52,16 +52,26 @@ def check_group_choices(args: list[str]) -> None:
 
 
 def check_run_dir(args: list[str]) -> None:
-    """A run directory that cannot be created: one line, before Hydra tries (its own
-    failure is a traceback). Rank 0 only: it alone creates the directory."""
-    if int(os.environ.get("RANK", "0")) != 0 or any(a in ("-m", "--multirun") for a in args):
+    """Overrides that do not compose (a key the config lacks) and a run directory that
+    cannot be created: one line each, before Hydra tries (its own failure is a
+    traceback). Every rank composes, so none of them prints Hydra's traceback; the
+    directory is rank 0's alone to create."""
+    if any(a in ("-m", "--multirun") for a in args):
         return
     from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            "config", overrides=[a for a in args if not a.startswith("-")], return_hydra_config=True
-        )
+        try:
+            cfg = compose(
+                "config",
+                overrides=[a for a in args if not a.startswith("-")],
+                return_hydra_config=True,
+            )
+        except ConfigCompositionException as e:  # "Could not override 'mode.foo'. ..."
+            fail(" ".join(str(e).split()))
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     path = Path(cfg.hydra.run.dir).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):

@@ -35,6 +35,7 @@ def validate(cfg: DictConfig, world_size: int) -> None:
     if cfg.train.get("eval_batches") is not None:
         _whole("train.eval_batches", cfg.train.eval_batches, minimum=1)
     _validate_optim(cfg.optim, cfg.mode.name)
+    _validate_precision(cfg)
 
 
 def _whole(name: str, value: Any, minimum: int) -> None:
@@ -60,6 +61,18 @@ def _validate_optim(optim: DictConfig, mode: str) -> None:
             f"optim.no_decay_bias_norm=true is not available with mode={mode}; "
             "use mode=ddp or optim.no_decay_bias_norm=false"
         )
+
+
+def _validate_precision(cfg: DictConfig) -> None:
+    from trainer.precision import LossScaler, Precision
+
+    Precision.of(cfg.get("precision", "fp32"), cfg.mode.get("reduce_dtype", "fp32"))
+    options = OmegaConf.to_container(cfg.get("loss_scale") or {})
+    known = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    for key in options:
+        if key not in known:
+            raise ConfigError(f"loss_scale.{key} is not an option; use one of {', '.join(known)}")
+    LossScaler(enabled=True, **options)
 
 
 def engine_options(cfg: DictConfig) -> dict[str, Any]:

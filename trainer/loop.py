@@ -55,7 +55,6 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(env.device)
     psi = count_params(model)  # before fsdp takes the parameters apart
-    param_dtype = next(model.parameters()).dtype
     dataset = instantiate(cfg.data.dataset)
     loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
     eval_loader = None
@@ -68,7 +67,14 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
             cfg.train.eval_batches,
         )
     optimizer = optimizer_factory(cfg.optim, model)
-    engine = build_engine(model, cfg.mode.name, optimizer, **engine_options(cfg))
+    engine = build_engine(
+        model,
+        cfg.mode.name,
+        optimizer,
+        precision=cfg.precision,
+        loss_scale=OmegaConf.to_container(cfg.loss_scale),
+        **engine_options(cfg),
+    )
     scheduler = lr_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)
     accum, clip = cfg.train.grad_accum_steps, cfg.optim.clip_grad_norm
 
@@ -78,7 +84,7 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         env.device,
         memory=MemoryMonitor(engine, psi),
         flops_per_token=6 * psi,  # forward 2Ψ + backward 4Ψ per prediction
-        peak_flops=peak_flops(env.device, param_dtype),  # None on CPU: no MFU
+        peak_flops=peak_flops(env.device, engine.precision.param_dtype),  # None on CPU
     )
     bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
     last: dict[str, float] = {}
@@ -87,7 +93,11 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     batches = iter(loader)
     # Objects a checkpoint saves and restores through state_dict(), with the engine and
     # the RNG states; resuming comes after iter(loader), which draws from the RNG.
-    resumable = {"sampler": loader.batch_sampler, "scheduler": scheduler}
+    resumable = {
+        "sampler": loader.batch_sampler,
+        "scheduler": scheduler,
+        "loss_scaler": engine.scaler,
+    }
     start = checkpoint.maybe_resume(cfg, engine, run_dir, **resumable)
     bar.update(start)
     skipped = 0
@@ -100,9 +110,11 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
             loss, correct = forward_backward(engine, inputs, targets, accum)
             if loss_is_finite_everywhere(loss):
                 grad_norm = engine.clip_grad_norm_(clip) if clip else None
-                engine.step()
-                lr = scheduler.get_last_lr()[0]  # the lr this step used
-                scheduler.step()
+                if engine.step():
+                    lr = scheduler.get_last_lr()[0]  # the lr this step used
+                    scheduler.step()
+                else:  # fp16 gradients overflowed: no update; the loss scale was lowered
+                    grad_norm = None
                 metrics.add(
                     loss,
                     correct,
@@ -123,6 +135,9 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
                 values = metrics.reduce()
                 if values:  # rank 0, with at least one step that was not skipped
                     values["train/lr"] = lr
+                    if engine.scaler.enabled:
+                        values["train/loss_scale"] = engine.scaler.scale
+                        values["train/overflow_steps"] = engine.scaler.skipped
                     last = values
                     writer.scalars(values, step)
                     bar.set_postfix(
@@ -142,6 +157,7 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         "mode": cfg.mode.name,
         "world_size": env.world_size,
         "skipped_steps": skipped,
+        "overflow_steps": engine.scaler.skipped,
         "run_dir": str(run_dir),
         **last,
         **last_eval,

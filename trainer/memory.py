@@ -8,8 +8,8 @@ formulas of the mode predict.
 
 [Note: what is measured, and when]
 `measure()` adds up the live storages behind `engine.state_tensors()`, by kind (params,
-grads, optimizer, comm). A storage is counted once, by its `nbytes`, in the first kind
-that reaches it (order params, grads, optimizer, comm): ddp's per-parameter `.grad`
+master, grads, optimizer, comm). A storage is counted once, by its `nbytes`, in the first
+kind that reaches it (in that order): ddp's per-parameter `.grad`
 views into one bucket count as that bucket; a freed fsdp buffer (storage resized to 0)
 counts as nothing. The monitor measures from an optimizer step post-hook, the moment
 when parameters, gradients and optimizer state all exist (fsdp drops its gradient
@@ -20,17 +20,24 @@ resident set size high-water mark (VmHWM) on CPU, which also holds the Python pr
 the torch libraries and activations.
 
 [Note: the expected figures]
-Per rank, for Ψ parameters of b bytes and an optimizer keeping k bytes per parameter
-(read from its state after the first step: AdamW fp32 k=8, SGD with momentum k=4):
+Per rank, for Ψ parameters computing in b bytes (4 fp32, 2 bf16/fp16), gradients reduced
+in r bytes, and an optimizer keeping k bytes per parameter (read from its state after
+the first step: AdamW fp32 k=8, SGD with momentum k=4). With b = r = 4 (fp32):
 
     ddp   params Ψb     grads Ψb     optimizer Ψk       (fp32 AdamW: 16Ψ)
     zero  params Ψb     grads Ψb/P   optimizer Ψk/P     (4Ψ + 12Ψ/P)
     fsdp  params Ψb/P   grads Ψb/P   optimizer Ψk/P     (16Ψ/P), plus while a step runs
           the full params and grads of the root unit and of two units in flight
 
-Traffic per rank per step, ring algorithms: ddp 2(P-1)/P·Ψb (AllReduce), zero
-(P-1)/P·Ψb + (P-1)/P·Ψb (ReduceScatter, AllGather), fsdp 3(P-1)/P·Ψb (AllGather twice,
-ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
+Mixed precision (b = 2) adds fp32 masters, 4Ψ in ddp and 4Ψ/P in zero; fsdp's sharded
+params are its fp32 masters (4Ψ/P) and its b-byte full params exist only while a unit
+runs. Gradients after the step are fp32 next to the masters: 4Ψ/P in zero and fsdp; ddp
+keeps its r-byte buckets, plus fp32 copies for the masters when r is not 4.
+(bf16 AdamW, r = 4: ddp 2Ψ + 4Ψ + 4Ψ + 8Ψ, zero 2Ψ + 16Ψ/P, fsdp 16Ψ/P.)
+
+Traffic per rank per step, ring algorithms: ddp 2(P-1)/P·Ψr (AllReduce), zero
+(P-1)/P·Ψr + (P-1)/P·Ψb (ReduceScatter, AllGather), fsdp (P-1)/P·(Ψr + 2Ψb) (AllGather
+twice, ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
 multiple of P, so their measured figures can be a few elements above.
 """
 
@@ -46,7 +53,7 @@ import torch
 
 from trainer import comm
 
-KINDS = ("params", "grads", "optimizer", "comm")
+KINDS = ("params", "master", "grads", "optimizer", "comm")
 # Order of the packed tensor gathered to rank 0 (one Gather per logging interval).
 FIELDS = (*KINDS, "model_state", "peak")
 
@@ -77,7 +84,7 @@ def _held(engine: Any) -> tuple[dict[str, int], torch.device]:
             total += storage.nbytes()
             device = t.device
         out[kind] = total
-    out["model_state"] = out["params"] + out["grads"] + out["optimizer"]
+    out["model_state"] = out["params"] + out["master"] + out["grads"] + out["optimizer"]
     return out, device
 
 
@@ -130,9 +137,17 @@ def _fsdp_unit_bytes(engine: Any) -> int:
     units = getattr(engine, "units", [])
     if not units:
         return 0
-    root = units[0].nbytes if units[0].params else 0
-    others = sorted((u.nbytes for u in units[1:]), reverse=True)
-    return 2 * (root + sum(others[:2]))
+
+    def working(u: Any) -> int:  # full params in their dtype, full grads in reduce dtype
+        return u.layout.padded_numel * (u.full.element_size() + _itemsize(u.reduce_dtype))
+
+    root = working(units[0]) if units[0].params else 0
+    others = sorted((working(u) for u in units[1:]), reverse=True)
+    return root + sum(others[:2])
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -140,15 +155,19 @@ class ModeShape:
     """How a mode lays model state over P ranks and what it sends per step."""
 
     sharded: frozenset[str]  # kinds divided by P
-    traffic: float  # ring bytes sent per rank per step, in units of (P-1)/P · Ψb
+    reduced: float  # gradient bytes sent per rank and step, in units of (P-1)/P · Ψr
+    gathered: float  # parameter bytes sent per rank and step, in units of (P-1)/P · Ψb
     unit_bytes: Callable[[Any], int] | None = None  # transient working set, if any
+    masters_are_params: bool = False  # its only persistent params are the fp32 shards
 
 
 # Keyed by `Engine.name`: the only place that knows the modes apart.
 MODES: dict[str, ModeShape] = {
-    "ddp": ModeShape(frozenset(), 2.0),
-    "zero": ModeShape(frozenset({"grads", "optimizer"}), 2.0),
-    "fsdp": ModeShape(frozenset({"params", "grads", "optimizer"}), 3.0, _fsdp_unit_bytes),
+    "ddp": ModeShape(frozenset(), 2.0, 0.0),
+    "zero": ModeShape(frozenset({"master", "grads", "optimizer"}), 1.0, 1.0),
+    "fsdp": ModeShape(
+        frozenset({"params", "grads", "optimizer"}), 1.0, 2.0, _fsdp_unit_bytes, True
+    ),
 }
 
 
@@ -163,23 +182,35 @@ def expected(
 ) -> dict[str, float]:
     """Model-state bytes per rank the formulas predict (see [Note: the expected figures]).
 
-    `working_set` adds `unit_bytes`, the full units fsdp holds while a step runs."""
+    `param_bytes` is the compute dtype's size, `grad_bytes` the reduce dtype's. Below 4
+    bytes, parameters have fp32 masters. `working_set` adds `unit_bytes`, the full units
+    fsdp holds while a step runs."""
     shape = MODES[mode]
+    mixed = param_bytes != 4
+    params, master = param_bytes, 4 if mixed else 0
+    if shape.masters_are_params:
+        params, master = 4, 0
+    grads = 4 if "grads" in shape.sharded else grad_bytes + (4 if grad_bytes != 4 else 0)
     full = {
-        "params": numel * param_bytes,
-        "grads": numel * grad_bytes,
+        "params": numel * params,
+        "master": numel * master,
+        "grads": numel * grads,
         "optimizer": numel * optimizer_state_per_param_bytes,
     }
     out = {k: v / world_size if k in shape.sharded else float(v) for k, v in full.items()}
-    out["model_state"] = out["params"] + out["grads"] + out["optimizer"]
+    out["model_state"] = out["params"] + out["master"] + out["grads"] + out["optimizer"]
     out["working_set"] = out["model_state"] + unit_bytes
     return out
 
 
-def expected_traffic(mode: str, numel: int, bytes_per_elem: int, world_size: int) -> float:
-    """Bytes each rank sends per step under the ring model."""
-    p = world_size
-    return MODES[mode].traffic * (p - 1) / p * numel * bytes_per_elem
+def expected_traffic(
+    mode: str, numel: int, bytes_per_elem: int, world_size: int, grad_bytes: int | None = None
+) -> float:
+    """Bytes each rank sends per step under the ring model: parameters AllGathered in
+    `bytes_per_elem`, gradients reduced in `grad_bytes` (the same when not given)."""
+    p, shape = world_size, MODES[mode]
+    r = bytes_per_elem if grad_bytes is None else grad_bytes
+    return (shape.reduced * r + shape.gathered * bytes_per_elem) * (p - 1) / p * numel
 
 
 # nccl-tests bus bandwidth factors: busbw = algbw x factor.
@@ -235,6 +266,8 @@ class MemoryMonitor:
         params = list(engine.module.parameters())
         self.numel = numel
         self.param_bytes = params[0].element_size() if params else 4
+        precision = getattr(engine, "precision", None)
+        self.grad_bytes = _itemsize(precision.reduce_dtype) if precision else self.param_bytes
         self.device = params[0].device if params else torch.device("cpu")
         self._high: dict[str, int] | None = None  # per-kind maximum since the last gather
         optimizer = getattr(engine, "optimizer", None)
@@ -257,15 +290,14 @@ class MemoryMonitor:
         units = shape.unit_bytes(self.engine) if shape.unit_bytes else 0
         p = self.engine.world_size
         return expected(
-            self.engine.name, self.numel, p, self.param_bytes, self.param_bytes, k, units
+            self.engine.name, self.numel, p, self.param_bytes, self.grad_bytes, k, units
         )
 
     def expected_traffic(self) -> float | None:
         if self.engine.name not in MODES:
             return None
-        return expected_traffic(
-            self.engine.name, self.numel, self.param_bytes, self.engine.world_size
-        )
+        p = self.engine.world_size
+        return expected_traffic(self.engine.name, self.numel, self.param_bytes, p, self.grad_bytes)
 
     def gather(self) -> dict[str, float]:
         """Collective: every rank calls it. Rank 0 gets per-rank, max and expected figures

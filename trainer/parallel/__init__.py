@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainer import comm
@@ -12,14 +13,27 @@ from trainer.parallel.ddp import DDPEngine
 from trainer.parallel.engine import Engine, OptimizerFactory
 from trainer.parallel.fsdp import FSDPEngine
 from trainer.parallel.zero import ZeroEngine
+from trainer.precision import LossScaler, Precision
 
 ENGINES: dict[str, type[Engine]] = {"ddp": DDPEngine, "zero": ZeroEngine, "fsdp": FSDPEngine}
 
 
 def build_engine(
-    model: nn.Module, mode: str, optimizer: OptimizerFactory, **options: Any
+    model: nn.Module,
+    mode: str,
+    optimizer: OptimizerFactory,
+    precision: str = "fp32",
+    reduce_dtype: str = "fp32",
+    loss_scale: dict[str, Any] | None = None,
+    **options: Any,
 ) -> Engine:
-    """Wrap `model` for `mode`; `optimizer` is called with the parameters it should step."""
+    """Wrap `model` (fp32) for `mode`; `optimizer` is called with the parameters it should
+    step. `precision` (fp32 | bf16 | fp16) is the dtype forward and backward run in, with
+    fp32 masters for the optimizer; `reduce_dtype` the dtype gradients are reduced in;
+    `loss_scale` the options of fp16's dynamic loss scaling (trainer/precision.py).
+    `options` are the mode's own (bucket_mb, reshard_after_forward, ...)."""
+    mp = Precision.of(precision, reduce_dtype)
+    scaler = LossScaler(enabled=mp.param_dtype == torch.float16, **(loss_scale or {}))
     if mode not in ENGINES:
         raise ConfigError(f"mode={mode!r} is not one of {', '.join(sorted(ENGINES))}")
     engine_cls = ENGINES[mode]
@@ -29,7 +43,13 @@ def build_engine(
             f"the model has {n} parameter(s), fewer than the {p} ranks to shard them over; "
             "use fewer ranks or mode=ddp"
         )
-    return engine_cls(model, optimizer, **options)
+    floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if mp.mixed and floating - {torch.float32}:
+        raise ConfigError(
+            f"precision={precision} keeps fp32 masters of an fp32 model; this model's "
+            f"parameters are {sorted(map(str, floating))}"
+        )
+    return engine_cls(model, optimizer, precision=mp, scaler=scaler, **options)
 
 
 __all__ = ["ENGINES", "Engine", "build_engine"]

@@ -8,6 +8,14 @@ asynchronously while backward carries on with earlier layers. Buckets are launch
 strictly in order (bucket i only after 0..i-1), so every rank issues the same sequence
 of collectives even when ranks finish their buckets in a different order. All handles are
 waited for in one place, after backward.
+
+Mixed precision ([Note: master weights] in trainer/precision.py): buckets hold gradients
+in `reduce_dtype`. When that is the parameters' dtype the `.grad` views work as above;
+otherwise the hook adds each gradient into its slot, casting, and drops autograd's
+(under no_sync too, so micro-batches accumulate in the reduce dtype). After the
+AllReduce the fp32 master of every parameter gets its slice of the bucket (or of an fp32
+copy of it) as `.grad`; the optimizer steps the masters and the module's parameters are
+cast from them.
 """
 
 from __future__ import annotations
@@ -20,41 +28,65 @@ from torch import nn
 from trainer import comm
 from trainer.flat import FlatLayout, bucketize
 from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup
+from trainer.precision import LossScaler, Precision, cast_module
 
 
 class _Bucket:
-    def __init__(self, index: int, params: Sequence[nn.Parameter]):
+    def __init__(self, index: int, params: Sequence[nn.Parameter], dtype: torch.dtype):
         self.index = index
         self.params = list(params)
         self.layout = FlatLayout.of(self.params)
         p0 = self.params[0]
-        self.grad = torch.zeros(self.layout.numel, dtype=p0.dtype, device=p0.device)
+        self.grad = torch.zeros(self.layout.numel, dtype=dtype, device=p0.device)
         self.views = self.layout.views(self.grad)
         self.pending = len(self.params)
         self.handle: comm.Handle | None = None
+        self.masters: list[nn.Parameter] = list(self.params)  # fp32 copies when mixed
 
 
 class DDPEngine(Engine):
     name = "ddp"
 
-    def __init__(self, module: nn.Module, optimizer: OptimizerFactory, bucket_mb: float = 25.0):
-        super().__init__(module)
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: OptimizerFactory,
+        bucket_mb: float = 25.0,
+        precision: Precision | None = None,
+        scaler: LossScaler | None = None,
+    ):
+        super().__init__(module, precision, scaler)
         params = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in module.named_parameters()}
+        mp = self.precision
         self.buckets = [
-            _Bucket(i, ps) for i, ps in enumerate(bucketize(params, int(bucket_mb * 2**20)))
+            _Bucket(i, ps, mp.reduce_dtype)
+            for i, ps in enumerate(bucketize(params, int(bucket_mb * 2**20)))
         ]
+        if mp.mixed:  # fp32 masters from the fp32 values, then the module is cast
+            for b in self.buckets:
+                b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
+            cast_module(module, mp.param_dtype)
+        # .grad views into the buckets when dtypes allow, else copies into them
+        self._views = all(p.dtype == mp.reduce_dtype for p in params)
+        self._separate_grads = mp.mixed or not self._views  # masters get their own .grad
         self._ready: set[int] = set()
         self._next = 0  # first bucket not yet launched
         for b in self.buckets:
             for p, view in zip(b.params, b.views, strict=True):
-                p.grad = view  # autograd accumulates into the bucket in place
+                if self._views:
+                    p.grad = view  # autograd accumulates into the bucket in place
                 p.register_post_accumulate_grad_hook(self._hook(b, view))
-        self.optimizer = optimizer(params)
+        master = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
+        self._masters = [(p, master[id(p)]) for p in params]  # module order
+        self.optimizer = optimizer([m for _, m in self._masters])
 
     def _hook(self, bucket: _Bucket, view: torch.Tensor):
         def on_grad_ready(p: torch.Tensor) -> None:
-            if p.grad is not view:
+            if not self._views:
+                view.add_(p.grad)  # casts to the bucket's dtype; accumulates under no_sync
+                p.grad = None
+            elif p.grad is not view:
                 # Someone replaced .grad (e.g. set it to None): put it back into the bucket.
                 view.copy_(p.grad)
                 p.grad = view
@@ -79,7 +111,7 @@ class DDPEngine(Engine):
             b.handle = comm.all_reduce(b.grad, average=True, tag=f"bucket{b.index}")
             self._next += 1
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if not self._sync:
             return
@@ -91,22 +123,52 @@ class DDPEngine(Engine):
             b.handle.wait()
             b.handle = None
             b.pending = len(b.params)
+            if self._separate_grads:
+                g = b.grad if b.grad.dtype == torch.float32 else b.grad.float()
+                for m, v in zip(b.masters, b.layout.views(g), strict=True):
+                    m.grad = v
         self._ready.clear()
         self._next = 0
 
-    def step(self) -> None:
+    @torch.no_grad()
+    def _step(self) -> None:
         self.optimizer.step()
         self.zero_grad()
+        self._params_from_masters()
+
+    @torch.no_grad()
+    def _params_from_masters(self) -> None:
+        if self.precision.mixed:
+            for b in self.buckets:
+                for p, m in zip(b.params, b.masters, strict=True):
+                    p.copy_(m)  # rounds to the compute dtype
 
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        # The AllReduced buckets: full gradients, identical on every rank, one per bucket.
+        # Full averaged gradients, identical on every rank: the buckets, or the masters'.
+        if self._separate_grads:
+            return [m.grad for b in self.buckets for m in b.masters if m.grad is not None], False
         return [b.grad for b in self.buckets], False
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.grad.zero_()  # in place: every .grad stays a view into its bucket
+            if self._separate_grads:
+                for m in b.masters:
+                    m.grad = None
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        state = super().state_tensors()
+        masters = [m for _, m in self._masters]
+        state["master"] = masters if self.precision.mixed else []
+        # The buckets and, when separate, the masters' fp32 gradients.
+        separate = [m.grad for m in masters if m.grad is not None]
+        state["grads"] = [b.grad for b in self.buckets] + separate
+        return state
 
     def shard_groups(self) -> list[ShardGroup]:
-        # Every rank holds every parameter whole: one unsharded group per parameter.
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        return [ShardGroup([self._names[id(p)]], FlatLayout.of([p]), p, p, False) for p in params]
+        # Every rank holds every parameter whole: one unsharded group per parameter, its
+        # values being the fp32 master the optimizer steps.
+        return [
+            ShardGroup([self._names[id(p)]], FlatLayout.of([p]), m, m, False)
+            for p, m in self._masters
+        ]

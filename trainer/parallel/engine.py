@@ -3,10 +3,12 @@
     engine = build_engine(model, mode="ddp", optimizer=partial(AdamW, lr=1e-3))
     loss = loss_fn(engine(x), y)
     engine.backward(loss)
-    engine.step()
+    engine.step()          # False when fp16 loss scaling skipped the step
 
 Each mode subclasses `Engine` in its own file and decides where gradients live, when
-they are communicated and what the optimizer sees.
+they are communicated and what the optimizer sees (`_backward`, `_step`). What is the
+same for every mode lives here: casting inputs and outputs for mixed precision, loss
+scaling, clipping by the global norm, the full state_dict and checkpoint state.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from trainer import comm
 from trainer.flat import FlatLayout
+from trainer.precision import LossScaler, Precision
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -31,14 +34,24 @@ class Engine:
     name = "base"
     shards_parameters = False  # True: each rank keeps 1/P of the parameters' state
 
-    def __init__(self, module: nn.Module):
+    def __init__(
+        self,
+        module: nn.Module,
+        precision: Precision | None = None,
+        scaler: LossScaler | None = None,
+    ):
         self.module = module
         self.world_size = comm.world_size()
         self.rank = comm.rank()
+        # [Note: master weights] in trainer/precision.py. Each mode builds its fp32
+        # masters from the module's fp32 values, then casts the module.
+        self.precision = precision or Precision()
+        self.scaler = scaler or LossScaler(enabled=False)
         # Ranks may have built the model with different seeds: rank 0's values win.
         broadcast_tensors(list(module.parameters()) + list(module.buffers()))
         self._buffers = [b for b in module.buffers()]
         self._sync = True
+        self._found_inf: bool | None = None  # set when the gradients have been unscaled
 
     # -- forward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -48,31 +61,98 @@ class Engine:
         if self.module.training:
             # As torch DDP's broadcast_buffers: running statistics follow rank 0.
             self._broadcast_buffers()
-        return self.module(*args, **kwargs)
+        cast_in = self.precision.cast_in
+        out = self.module(*cast_in(args), **cast_in(kwargs))
+        return self.precision.cast_out(out)
 
     def _broadcast_buffers(self) -> None:
         if self._buffers and self.world_size > 1:
             broadcast_tensors(self._buffers)
 
-    # -- what every mode implements -----------------------------------------------------
+    # -- backward and step ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (scaled in fp16) with the mode's gradient communication."""
+        self._found_inf = None  # new gradients: not unscaled yet
+        self._backward(self.scaler.scale_loss(loss))
+
+    def step(self) -> bool:
+        """Update the parameters; False when fp16 gradients overflowed on some rank and
+        every rank skipped the step instead ([Note: dynamic loss scaling])."""
+        found_inf = self._unscale()
+        if found_inf:
+            self.zero_grad()
+        else:
+            self._step()
+        self.scaler.update(found_inf)
+        self._found_inf = None
+        return not found_inf
+
+    @torch.no_grad()
+    def _unscale(self) -> bool:
+        """Divide the gradients by the loss scale (once per step) and say whether any rank
+        holds an inf/NaN among them. Without loss scaling: nothing to do, False."""
+        if not self.scaler.enabled:
+            return False
+        if self._found_inf is None:
+            grads, _ = self.grad_tensors()
+            inv = 1.0 / self.scaler.scale
+            bad = torch.zeros(1, device=self._device())
+            for g in grads:
+                g.mul_(inv)
+                bad += (~torch.isfinite(g)).any()
+            if self.world_size > 1:  # ranks must agree, else their collectives diverge
+                comm.all_reduce(bad, tag="found_inf", account=False).wait()
+            self._found_inf = bool(bad.item() > 0)
+        return self._found_inf
+
+    def _device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    # -- what every mode implements -----------------------------------------------------
+    def _backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def step(self) -> None:
+    def _step(self) -> None:
         raise NotImplementedError
+
+    def _params_from_masters(self) -> None:
+        """Bring the module's compute-precision parameters up to date with the masters
+        (after loading a checkpoint). Modes that keep separate masters implement it."""
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (e.g. a skipped non-finite step)."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded state with the keys of `module.state_dict()`, as CPU copies."""
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        """Unsharded state with the keys of `module.state_dict()`, as CPU copies: fp32
+        parameters from the masters, floating buffers in fp32. A collective in the modes
+        that shard: every rank must call it."""
+        named = dict(self.module.named_parameters())
+        values: dict[int, torch.Tensor] = {}
+        for g in self.shard_groups():
+            flat = g.local.detach().reshape(-1)
+            if g.sharded:  # everyone's slice of the fp32 masters, in rank order
+                full = flat.new_empty(g.layout.padded_numel)
+                comm.all_gather(full, flat, tag="state").wait()
+                flat = full
+            for name, view in zip(g.names, g.layout.views(flat), strict=True):
+                values[id(named[name])] = view.cpu().clone()
+        out = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            t = values.get(id(v))
+            if t is None:  # buffers and frozen parameters: every rank holds them whole
+                t = v.detach().cpu().clone()
+                t = t.float() if t.is_floating_point() else t
+            out[k] = t
+        return out
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by kind, for memory accounting from live storages.
 
-        Keys: "params", "grads", "optimizer", "comm" (buffers kept for communication).
+        Keys: "params" (what forward computes with), "master" (fp32 copies the optimizer
+        steps when params are bf16/fp16), "grads", "optimizer", "comm" (buffers kept for
+        communication).
         Modes that keep extra storage (shards, flat buffers) override this.
         """
         params = list(self.module.parameters())
@@ -80,6 +160,7 @@ class Engine:
         opt = getattr(self, "optimizer", None)
         return {
             "params": params,
+            "master": [],
             "grads": grads,
             "optimizer": optimizer_state_tensors(opt) if opt is not None else [],
             "comm": [],
@@ -104,8 +185,9 @@ class Engine:
         the squared norms of the shards are summed over ranks (one small AllReduce), so
         every rank computes the same norm and the same scale.
         """
+        self._unscale()  # clip the true gradients, not the loss-scaled ones
         grads, sharded = self.grad_tensors()
-        device = next(self.module.parameters()).device
+        device = self._device()
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
         sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
         if sharded:
@@ -224,6 +306,7 @@ class Engine:
         module = self.module.state_dict(keep_vars=True)
         for k, v in state["replicated"].items():
             module[k].copy_(v)
+        self._params_from_masters()
 
 
 @dataclass

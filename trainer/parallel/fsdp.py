@@ -24,6 +24,12 @@ whole model (4Ψ in fp32) until the synced backward reduces them.
 Buffers (BatchNorm statistics) stay replicated and follow rank 0 as in ddp. Tied
 parameters live in the unit enclosing all their uses (units.py).
 
+Mixed precision ([Note: master weights] in trainer/precision.py): the shards stay fp32,
+as the masters the optimizer steps; a unit's full buffer is `param_dtype`, and each
+AllGather sends the shard cast to it (half the bytes of fp32 for bf16), as FSDP's
+MixedPrecisionPolicy does. Gradients are ReduceScattered in `reduce_dtype` and kept in
+fp32 as the shard's `.grad`.
+
 Use `engine(x)`, `engine.backward(loss)` (not `loss.backward()`: it finishes the step's
 communication) and `engine.full_state_dict()` (a collective). Between steps the module's
 parameters are empty tensors: count them before building the engine.
@@ -67,6 +73,7 @@ from trainer.errors import ConfigError
 from trainer.flat import FlatLayout
 from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup, optimizer_state_tensors
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
+from trainer.precision import LossScaler, Precision, cast_module
 
 
 def _recomputing() -> bool:
@@ -75,7 +82,7 @@ def _recomputing() -> bool:
 
 
 class _Unit:
-    def __init__(self, tag: str, plan: UnitPlan, world_size: int, rank: int):
+    def __init__(self, tag: str, plan: UnitPlan, world_size: int, rank: int, mp: Precision):
         self.tag, self.name, self.module = tag, plan.name or "<root>", plan.module
         self.names = [n for n, _ in plan.params]
         self.params = [p for _, p in plan.params]
@@ -88,6 +95,9 @@ class _Unit:
         self.nbytes = self.full.untyped_storage().nbytes()
         self.layout.copy_in(self.full, [p.detach() for p in self.params])
         self.shard = nn.Parameter(self.full[rank * s : (rank + 1) * s].clone())  # (S,)
+        if mp.mixed:  # the shard above is the fp32 master; compute in param_dtype
+            self.full = self.full.to(mp.param_dtype)
+        self.reduce_dtype = mp.reduce_dtype
         self.views = self.layout.views(self.full)  # [Note: parameters as views of one storage]
         self.empty = self.full.new_empty(0)
         self.full.untyped_storage().resize_(0)
@@ -114,8 +124,11 @@ class FSDPEngine(Engine):
         unit_classes: Sequence[str] | None = None,
         min_unit_params: int = 100_000,
         bucket_mb: float = 25.0,  # accepted so all modes take one config; fsdp sends per unit
+        precision: Precision | None = None,
+        scaler: LossScaler | None = None,
     ):
-        super().__init__(module)  # rank 0's initial values reach every rank before sharding
+        # rank 0's initial values reach every rank before sharding
+        super().__init__(module, precision, scaler)
         frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
         if frozen:
             raise ConfigError(f"fsdp shards trainable parameters only; frozen: {frozen}")
@@ -124,8 +137,11 @@ class FSDPEngine(Engine):
         plans = plan_units(module, classes, min_unit_params)
         tags = ["root"] + [f"unit{i}" for i in range(len(plans) - 1)]
         self.units = [
-            _Unit(t, u, self.world_size, self.rank) for t, u in zip(tags, plans, strict=True)
+            _Unit(t, u, self.world_size, self.rank, self.precision)
+            for t, u in zip(tags, plans, strict=True)
         ]
+        if self.precision.mixed:  # buffers (parameters already point at cast buffers)
+            cast_module(module, self.precision.param_dtype)
         self.root = self.units[0]
         self._order = self.units[1:]  # forward order: registration order until recorded
         self._recording: list[_Unit] = []
@@ -143,7 +159,8 @@ class FSDPEngine(Engine):
         if u.is_full or not u.params:
             return
         u.full.untyped_storage().resize_(u.nbytes)
-        u.gather = comm.all_gather(u.full, u.shard.detach(), tag=u.tag)
+        shard = u.shard.detach().to(u.full.dtype)  # a cast copy when mixed precision
+        u.gather = comm.all_gather(u.full, shard, tag=u.tag)
 
     def _wait(self, u: _Unit) -> None:
         if u.gather is not None:
@@ -238,7 +255,7 @@ class FSDPEngine(Engine):
             self._reshard(u)
             return
         self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
-        flat = torch.empty_like(u.full)  # (P*S,) every element is written below
+        flat = torch.empty_like(u.full, dtype=u.reduce_dtype)  # (P*S,) all written below
         flat[u.layout.numel :].zero_()  # padding
         for view, p in zip(u.layout.views(flat), u.params, strict=True):
             if p.grad is not None:
@@ -246,7 +263,7 @@ class FSDPEngine(Engine):
                 p.grad = None
             else:
                 view.zero_()
-        out = torch.empty_like(u.shard)  # (S,)
+        out = torch.empty_like(u.shard, dtype=u.reduce_dtype)  # (S,)
         self._reducing.append(
             (u, comm.reduce_scatter(out, flat, average=True, tag=u.tag), out, flat)
         )
@@ -257,12 +274,13 @@ class FSDPEngine(Engine):
     def _finish_reduce(self) -> None:
         u, handle, out, _ = self._reducing.pop(0)
         handle.wait()
+        out = out.float()  # the shard's dtype; no copy when already fp32
         if u.shard.grad is None:
             u.shard.grad = out
         else:
             u.shard.grad.add_(out)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         # Units that missed a gradient (a parameter unused this step, a unit that did not
         # run) are handled here, in unit order, so every rank issues the same collectives.
@@ -275,7 +293,7 @@ class FSDPEngine(Engine):
             self._reshard(u)  # prefetched but unused units too
             u.ready, u.done = 0, False
 
-    def step(self) -> None:
+    def _step(self) -> None:
         self.optimizer.step()
         self.zero_grad()
 
@@ -290,22 +308,6 @@ class FSDPEngine(Engine):
                 p.grad = None
 
     # -- state -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gather unit by unit (a collective: every rank must call it)."""
-        values: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            was_full = u.is_full
-            self._unshard(u)
-            self._wait(u)
-            values.update({id(p): p.detach().cpu().clone() for p in u.params})
-            if not was_full:
-                self._reshard(u)
-        return {
-            k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
-            for k, v in self.module.state_dict(keep_vars=True).items()
-        }
-
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         module_grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
         return {

@@ -23,6 +23,12 @@ Model-state memory per rank with fp32 AdamW: 4Ψ (params) + 4Ψ/P (grads) + 8Ψ/
 and none after it. Padding elements get zero gradients, so SGD and Adam(W) keep them at
 zero; no parameter views them, so they never reach the model either way.
 
+Mixed precision ([Note: master weights] in trainer/precision.py): the flat buffers hold
+the parameters in `param_dtype` and each rank's shard is a separate fp32 master the
+optimizer steps; after the step the master is cast into this rank's slice of the buffer
+and the AllGather moves `param_dtype` (half the bytes of fp32). Gradient buckets and the
+ReduceScatter use `reduce_dtype`; the result is kept in fp32 as the master's `.grad`.
+
 Build the engine after moving the model to its device: `.to()` would replace the views.
 Since every bucket's shard is one tensor to the optimizer, per-parameter options (param
 groups, e.g. no weight decay for biases) are not available in this mode.
@@ -46,12 +52,20 @@ from torch import nn
 from trainer import comm
 from trainer.flat import FlatLayout, bucketize
 from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup, optimizer_state_tensors
+from trainer.precision import LossScaler, Precision, cast_module
 
 _MAX_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
 
 
 class _Bucket:
-    def __init__(self, index: int, params: Sequence[nn.Parameter], world_size: int, rank: int):
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[nn.Parameter],
+        world_size: int,
+        rank: int,
+        precision: Precision,
+    ):
         self.index = index
         self.params = list(params)
         self.layout = FlatLayout.of(self.params, world_size)
@@ -60,12 +74,17 @@ class _Bucket:
         self.flat = torch.zeros(self.layout.padded_numel, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
             self.layout.copy_in(self.flat, self.params)
+        n = self.layout.shard_size(world_size)
+        if precision.mixed:  # an fp32 master of this rank's slice, then the buffer is cast
+            self.shard = nn.Parameter(self.flat[rank * n : (rank + 1) * n].float().clone())
+            self.flat = self.flat.to(precision.param_dtype)
         for p, view in zip(self.params, self.layout.views(self.flat), strict=True):
             p.data = view  # the AllGather after the step writes the parameters in place
-        n = self.layout.shard_size(world_size)
         self.shard_data = self.flat[rank * n : (rank + 1) * n]  # (S,) this rank's slice
-        # The optimizer's view of the slice: same storage, no extra copy of the params.
-        self.shard = nn.Parameter(self.shard_data)
+        if not precision.mixed:
+            # The optimizer's view of the slice: same storage, no extra copy of the params.
+            self.shard = nn.Parameter(self.shard_data)
+        self.reduce_dtype = precision.reduce_dtype
         self.slot = {id(p): i for i, p in enumerate(self.params)}
         self.grad: torch.Tensor | None = None  # (padded,) filled during backward, then freed
         self.reduced: torch.Tensor | None = None  # (S,) ReduceScatter output in flight
@@ -77,7 +96,7 @@ class _Bucket:
         if self.grad is None:
             # Slots are all written (a gradient, or zeros in _launch_ready when a parameter
             # got none): only the padding is zeroed here, so no memset of the whole buffer.
-            self.grad = torch.empty_like(self.flat)
+            self.grad = torch.empty_like(self.flat, dtype=self.reduce_dtype)
             self.grad[self.layout.numel :].zero_()
         i = self.slot[id(p)]
         o = self.layout.offsets[i]
@@ -88,14 +107,23 @@ class ZeroEngine(Engine):
     name = "zero"
     shards_parameters = True
 
-    def __init__(self, module: nn.Module, optimizer: OptimizerFactory, bucket_mb: float = 25.0):
-        super().__init__(module)
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: OptimizerFactory,
+        bucket_mb: float = 25.0,
+        precision: Precision | None = None,
+        scaler: LossScaler | None = None,
+    ):
+        super().__init__(module, precision, scaler)
         params = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in module.named_parameters()}
         self.buckets = [
-            _Bucket(i, ps, self.world_size, self.rank)
+            _Bucket(i, ps, self.world_size, self.rank, self.precision)
             for i, ps in enumerate(bucketize(params, int(bucket_mb * 2**20)))
         ]
+        if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
+            cast_module(module, self.precision.param_dtype)
         self._ready: set[int] = set()
         self._next = 0  # first bucket not yet launched
         self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
@@ -137,7 +165,7 @@ class ZeroEngine(Engine):
                         p.grad = None
                     else:
                         slot.zero_()
-            b.reduced = torch.empty_like(b.shard_data)
+            b.reduced = torch.empty_like(b.shard_data, dtype=b.reduce_dtype)
             b.handle = comm.reduce_scatter(b.reduced, b.grad, average=True, tag=f"bucket{b.index}")
             self._in_flight.append(b)
             self._next += 1
@@ -146,14 +174,15 @@ class ZeroEngine(Engine):
 
     def _finish(self, b: _Bucket) -> None:
         b.handle.wait()
+        reduced = b.reduced.float()  # the masters' dtype; no copy when already fp32
         if b.shard.grad is None:
-            b.shard.grad = b.reduced
+            b.shard.grad = reduced
         else:  # several synced backwards before a step accumulate, as in torch
-            b.shard.grad.add_(b.reduced)
+            b.shard.grad.add_(reduced)
         # Dropping the handle too: an in-flight op may hold references to its buffers.
         b.grad = b.reduced = b.handle = None
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if not self._sync:
             return
@@ -178,9 +207,16 @@ class ZeroEngine(Engine):
             yield
 
     # -- step: update the shards, AllGather them into the full parameters ------------------
-    def step(self) -> None:
+    def _step(self) -> None:
         self.optimizer.step()
         self.zero_grad()
+        self._params_from_masters()
+
+    @torch.no_grad()
+    def _params_from_masters(self) -> None:
+        if self.precision.mixed:
+            for b in self.buckets:
+                b.shard_data.copy_(b.shard)  # rounds this rank's slice to param_dtype
         # Launch all, then wait all: the AllGathers overlap each other. Each rank's input
         # is its own slice of the output buffer, so the gather runs in place.
         handles = [
@@ -208,6 +244,8 @@ class ZeroEngine(Engine):
         local_grads = [p.grad for p in model if p.grad is not None]
         return {
             "params": [b.flat for b in self.buckets] + frozen,
+            # fp32 masters when mixed; otherwise views of `flat`, counted there already
+            "master": [b.shard for b in self.buckets],
             "grads": shard_grads + bucket_grads + local_grads,
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
@@ -217,14 +255,7 @@ class ZeroEngine(Engine):
         # Rank r's slice of each bucket; the optimizer steps it as `b.shard`.
         return [
             ShardGroup(
-                [self._names[id(p)] for p in b.params], b.layout, b.shard_data, b.shard, True
+                [self._names[id(p)] for p in b.params], b.layout, b.shard.data, b.shard, True
             )
             for b in self.buckets
         ]
-
-    def load_sharded_state(self, state: dict) -> None:
-        super().load_sharded_state(state)
-        # Each rank loaded its own slices: gather everyone's into the full parameters.
-        comm.wait_all(
-            [comm.all_gather(b.flat, b.shard_data, tag=f"bucket{b.index}") for b in self.buckets]
-        )

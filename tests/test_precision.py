@@ -1,0 +1,297 @@
+"""Mixed precision in every mode: bf16 against a bf16 single-process reference and torch
+FSDP2's mixed-precision policy, loss still falling, low-precision AllGathers, and fp16
+loss scaling that skips a step with an injected inf on one rank.
+
+All distributed cases run in one 2-rank process group (the `ranks` fixture).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from reference import OPTIMIZERS, any_loss, batches, make_model, rank_slice
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.precision import LossScaler, Precision
+
+MODES = ("ddp", "zero", "fsdp")
+STEPS, BATCH = 4, 12
+# Several buckets / units per mode, so that every flat buffer path is exercised.
+OPTIONS = {"ddp": {"bucket_mb": 0.002}, "zero": {"bucket_mb": 0.002}, "fsdp": {}}
+
+
+def _engine(mode: str, model: nn.Module, optim: str = "sgd", **extra):
+    from trainer.parallel import build_engine
+
+    return build_engine(model, mode, OPTIMIZERS[optim], **{**OPTIONS[mode], **extra})
+
+
+def _slice(env, t: torch.Tensor) -> torch.Tensor:
+    return rank_slice(t, env.rank, env.world_size)
+
+
+# ---------------------------------------------------------------------------------------
+# What each rank runs
+
+
+def _bf16(env, mode: str) -> dict:
+    """STEPS of SGD in bf16; what forward computes in, and what each step sends."""
+    from trainer import comm
+
+    engine = _engine(mode, make_model("gpt", seed=env.rank), precision="bf16")
+    seen = set()
+    engine.module.blocks[0].attn.register_forward_pre_hook(
+        lambda m, args: seen.add((args[0].dtype, next(m.parameters()).dtype))
+    )
+    sent = []
+    for x, y in batches("gpt", STEPS, BATCH):
+        comm.stats.reset()
+        engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
+        assert engine.step()
+        sent.append(dict(comm.stats.bytes_sent))
+    return {"state": engine.full_state_dict(), "seen": seen, "sent": sent[-1]}
+
+
+def _fp32_traffic(env, mode: str) -> dict:
+    from trainer import comm
+
+    engine = _engine(mode, make_model("gpt", seed=env.rank))
+    (x, y), *_ = batches("gpt", 1, BATCH)
+    comm.stats.reset()
+    engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
+    engine.step()
+    return dict(comm.stats.bytes_sent)
+
+
+def _losses(env, mode: str, precision: str) -> list[float]:
+    """AdamW on one fixed batch: the loss must keep falling in low precision too."""
+    engine = _engine(mode, make_model("gpt", seed=env.rank), "adamw", precision=precision)
+    (x, y), *_ = batches("gpt", 1, BATCH)
+    losses = []
+    for _ in range(12):
+        loss = any_loss(engine(_slice(env, x)), _slice(env, y))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _fp16_injected_inf(env, mode: str) -> dict:
+    """Three fp16 steps; in the second, rank 1 alone gets an inf in one gradient."""
+    engine = _engine(
+        mode, make_model("gpt", seed=env.rank), precision="fp16", loss_scale={"init_scale": 1024.0}
+    )
+    target = engine.module.blocks[0].mlp.c_fc.weight  # a Linear weight inside a unit
+    inject = {"now": False}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if inject["now"] and env.rank == 1:  # one element: it lies in one rank's shard
+            grad = grad.clone()
+            grad.view(-1)[0] = math.inf
+        return grad
+
+    target.register_hook(poison)
+    stepped, scales, local_bad, states = [], [], [], [engine.full_state_dict()]
+    for i, (x, y) in enumerate(batches("gpt", 3, BATCH)):
+        inject["now"] = i == 1
+        engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
+        grads, _ = engine.grad_tensors()
+        local_bad.append(any(not torch.isfinite(g).all() for g in grads))
+        stepped.append(engine.step())
+        scales.append(engine.scaler.scale)
+        states.append(engine.full_state_dict())
+    return {"stepped": stepped, "scales": scales, "local_bad": local_bad, "states": states}
+
+
+def _fsdp2_bf16(env) -> dict:
+    """torch's fully_shard with param bf16, reduce fp32, fp32 output: the same recipe."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = make_model("gpt", seed=0)  # every rank the same: FSDP2 does not broadcast
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    # fp32 logits from the root only: blocks hand bf16 activations on
+    root = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
+    fully_shard(model, mp_policy=root)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    for x, y in batches("gpt", STEPS, BATCH):
+        any_loss(model(_slice(env, x)), _slice(env, y)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+
+
+def _all(env) -> dict:
+    out = {}
+    for mode in MODES:
+        out[mode] = {
+            "bf16": _bf16(env, mode),
+            "fp32_sent": _fp32_traffic(env, mode),
+            "losses": {p: _losses(env, mode, p) for p in ("bf16", "fp16")},
+            "fp16": _fp16_injected_inf(env, mode),
+        }
+    out["fsdp2"] = _fsdp2_bf16(env)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_all, 2, timeout=400)
+
+
+# ---------------------------------------------------------------------------------------
+# References on one process
+
+
+def train_single_mixed(dtype: torch.dtype) -> dict:
+    """The recipe by hand: fp32 master model, a `dtype` copy that computes, gradients
+    taken into fp32, SGD on the masters, masters cast back into the copy."""
+    master = make_model("gpt", seed=0)
+    model = copy.deepcopy(master).to(dtype)
+    opt = OPTIMIZERS["sgd"](master.parameters())
+    for x, y in batches("gpt", STEPS, BATCH):
+        any_loss(model(x).float(), y).backward()
+        for m, p in zip(master.parameters(), model.parameters(), strict=True):
+            m.grad = p.grad.float()
+        opt.step()
+        opt.zero_grad()
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(master.parameters(), model.parameters(), strict=True):
+                p.copy_(m)
+    return {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+@functools.cache
+def _reference(dtype: torch.dtype) -> dict:
+    return train_single_mixed(dtype)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_matches_fsdp2_and_a_bf16_single_process(ranks, mode):
+    for r in ranks:
+        state = r[mode]["bf16"]["state"]
+        assert all(v.dtype == torch.float32 for v in state.values())  # from the masters
+        # torch's own mixed precision (bf16 params, fp32 reduction) on the same slices
+        assert _max_diff(state, r["fsdp2"]) < 1e-6
+        # one process rounds differently (bf16 sums over the whole batch): loosely
+        assert _max_diff(state, _reference(torch.bfloat16)) < 1e-3
+    # forward saw bf16 activations and bf16 weights, not fp32 ones
+    assert ranks[0][mode]["bf16"]["seen"] == {(torch.bfloat16, torch.bfloat16)}
+    # and the run is not the fp32 one: rounding to bf16 shows in the parameters
+    assert _max_diff(ranks[0][mode]["bf16"]["state"], _reference(torch.float32)) > 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_loss_still_falls_in_low_precision(ranks, mode, precision):
+    losses = ranks[0][mode]["losses"][precision]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allgathers_move_half_the_bytes_in_bf16(ranks, mode):
+    bf16, fp32 = ranks[0][mode]["bf16"]["sent"], ranks[0][mode]["fp32_sent"]
+    if mode == "ddp":  # nothing gathered; gradients reduced in fp32 either way
+        assert bf16 == fp32 and "all_gather" not in bf16
+        return
+    assert bf16["all_gather"] == pytest.approx(fp32["all_gather"] / 2)
+    assert bf16["reduce_scatter"] == fp32["reduce_scatter"]  # mode.reduce_dtype=fp32
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_scaler_skips_the_step_with_an_injected_inf(ranks, mode):
+    runs = [r[mode]["fp16"] for r in ranks]
+    for run in runs:
+        assert run["stepped"] == [True, False, True]  # every rank skipped step 2
+        assert run["scales"] == [1024.0, 512.0, 512.0]  # halved once, not yet grown
+        before, after = run["states"][1], run["states"][2]
+        assert all(torch.equal(before[k], after[k]) for k in before)  # untouched
+        assert _max_diff(run["states"][2], run["states"][3]) > 0  # the next step updates
+    if mode != "ddp":  # sharded gradients: only some ranks saw the inf themselves
+        assert [run["local_bad"][1] for run in runs] != [True, True]
+    assert all(not run["local_bad"][0] and not run["local_bad"][2] for run in runs)
+
+
+def test_loss_scaler_grows_after_a_run_of_good_steps():
+    s = LossScaler(enabled=True, init_scale=8.0, growth_interval=3)
+    for found_inf, want in [(False, 8), (False, 8), (False, 16), (True, 8), (False, 8)]:
+        s.update(found_inf)
+        assert s.scale == want
+    restored = LossScaler(enabled=True)
+    restored.load_state_dict(s.state_dict())
+    assert (restored.scale, restored.good_steps, restored.skipped) == (8.0, 1, 1)
+    off = LossScaler(enabled=False)
+    loss = torch.tensor(3.0)
+    assert off.scale_loss(loss) is loss and off.scale == 1.0
+
+
+def test_precision_casts_floating_inputs_only():
+    p = Precision.of("bf16")
+    x, ids = torch.randn(2), torch.arange(3)
+    cast = p.cast_in({"x": x, "ids": ids, "pair": (x, 1)})
+    assert cast["x"].dtype == torch.bfloat16 and cast["ids"].dtype == torch.int64
+    assert cast["pair"][0].dtype == torch.bfloat16 and cast["pair"][1] == 1
+    assert p.cast_out(cast["x"]).dtype == torch.float32
+    assert Precision.of("fp32").cast_in(x) is x
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"precision": "fp8"}, "precision='fp8' is not one of fp32, bf16, fp16"),
+        ({"reduce_dtype": "int8"}, "mode.reduce_dtype='int8' is not one of"),
+        ({"precision": "fp16", "loss_scale": {"init_scale": 0}}, "loss_scale.init_scale=0"),
+    ],
+)
+def test_bad_precision_options_name_the_value(kwargs, needle):
+    from trainer.parallel import build_engine
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        build_engine(make_model("mlp", seed=0), "ddp", OPTIMIZERS["sgd"], **kwargs)
+
+
+def test_cli_fp16_backs_off_from_a_too_large_scale(tmp_path):
+    from test_cli import run_cli, scalars
+
+    proc = run_cli(
+        [
+            f"run.root={tmp_path}",
+            "mode=zero",
+            "precision=fp16",
+            "loss_scale.init_scale=16777216",  # 2^24: fp16 grads overflow; it backs off
+            "train.steps=40",
+            "train.log_every=5",
+            "ckpt.every=40",
+        ],
+        nproc=2,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    values = scalars(run_dir)
+    overflows, scale = values["train/overflow_steps"], values["train/loss_scale"]
+    assert 0 < overflows[-1] < 20 and scale[-1] < 2**24
+    assert values["train/loss"][-1] < 0.7 * values["train/loss"][0], values["train/loss"]
+    final = torch.load(run_dir / "final_model.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in final.values())  # the fp32 masters
+    meta = torch.load(run_dir / "checkpoints/step_000040/meta.pt", weights_only=True)
+    assert meta["state"]["loss_scaler"]["scale"] == pytest.approx(scale[-1])
