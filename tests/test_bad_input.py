@@ -28,6 +28,10 @@ CASES = [
     (["dist.backend=nccl"], None, 2, "dist.backend=nccl needs a CUDA GPU"),
     (["dist.backend=mpi"], None, 2, "dist.backend='mpi' is not one of auto, gloo, nccl"),
     (["optim=sgd", "optim.lr=1e20"], None, 1, "loss is not finite at step"),
+    (["precision=fp8"], None, 2, "precision='fp8' is not one of fp32, bf16, fp16"),
+    (["mode.reduce_dtype=int8"], 2, 2, "mode.reduce_dtype='int8' is not one of fp32, bf16"),
+    (["precision=fp16", "loss_scale.init_scale=0"], None, 2, "loss_scale.init_scale=0 must"),
+    (["mode=fsdp", "mode.foo=1"], 2, 2, "Could not override 'mode.foo'"),
 ]
 
 
