@@ -154,7 +154,8 @@ def _metrics(env) -> dict | None:
 
 def _decay_groups(env, mode: str):
     from trainer.models import loss_fn
-    from trainer.optim import optimizer_factory
+    from trainer.optim import optimizer_factory, param_options
+    from trainer.parallel import build_engine
 
     model = make_model("gpt", seed=env.rank)
     optim = OmegaConf.create(
@@ -166,21 +167,19 @@ def _decay_groups(env, mode: str):
             "no_decay_bias_norm": True,
         }
     )
-    try:
-        engine = _engine_with(mode, model, optimizer_factory(optim, model))
-    except ConfigError as e:
-        return str(e)
+    engine = build_engine(
+        model,
+        mode,
+        optimizer_factory(optim),
+        param_options=param_options(optim),
+        **OPTIONS[mode],
+    )
     for x, y in batches("gpt", STEPS, BATCH):
         xr, yr = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
         engine.backward(loss_fn(engine(xr), yr))
         engine.step()
-    return engine.full_state_dict()
-
-
-def _engine_with(mode, model, factory):
-    from trainer.parallel import build_engine
-
-    return build_engine(model, mode, factory, **OPTIONS[mode])
+    groups = [(g["weight_decay"], len(g["params"])) for g in engine.optimizer.param_groups]
+    return {"state": engine.full_state_dict(), "groups": groups}
 
 
 def _all_features(env) -> dict:
@@ -191,9 +190,8 @@ def _all_features(env) -> dict:
             "clip": _clip(env, mode),
             "checkpointing": _checkpointing(env, mode),
             "evaluate": _evaluate(env, mode),
+            "decay": _decay_groups(env, mode),
         }
-    out["ddp"]["decay"] = _decay_groups(env, "ddp")
-    out["zero"]["decay"] = _decay_groups(env, "zero")
     out["metrics"] = _metrics(env)
     return out
 
@@ -310,11 +308,14 @@ def test_evaluation_on_held_out_data(ranks, mode):
     assert got["counted"] == {}  # not training traffic
 
 
-def test_no_decay_on_biases_and_norms(ranks):
+@pytest.mark.parametrize("mode", MODES)
+def test_no_decay_on_biases_and_norms(ranks, mode):
     _, results = ranks
     for r in results:
-        assert_state_close(r["ddp"]["decay"], _decayed())
-        assert "optim.no_decay_bias_norm=true" in r["zero"]["decay"]
+        assert_state_close(r[mode]["decay"]["state"], _decayed())
+        # two param groups; in zero and fsdp made of flat shards that never mix them
+        [(wd0, n0), (wd1, n1)] = r[mode]["decay"]["groups"]
+        assert (wd0, wd1) == (0.5, 0.0) and n0 > 0 and n1 > 0
 
 
 def test_throughput_and_mfu_figures(ranks):
@@ -421,11 +422,6 @@ def _cfg(*overrides: str):
         (["optim.schedule=linear"], 1, "optim.schedule='linear' is not one of constant, cosine"),
         (["optim.min_lr_ratio=2"], 1, "optim.min_lr_ratio=2 must be between 0 and 1"),
         (["train.eval_every=-1"], 1, "train.eval_every=-1 must be a whole number >= 0"),
-        (
-            ["mode=fsdp", "optim.no_decay_bias_norm=true"],
-            1,
-            "optim.no_decay_bias_norm=true is not available with mode=fsdp",
-        ),
     ],
 )
 def test_bad_training_options_name_the_values(overrides, world, needle):

@@ -34,7 +34,7 @@ def validate(cfg: DictConfig, world_size: int) -> None:
     _whole("train.eval_every", cfg.train.get("eval_every", 0), minimum=0)
     if cfg.train.get("eval_batches") is not None:
         _whole("train.eval_batches", cfg.train.eval_batches, minimum=1)
-    _validate_optim(cfg.optim, cfg.mode.name)
+    _validate_optim(cfg.optim)
     _validate_precision(cfg)
 
 
@@ -43,7 +43,7 @@ def _whole(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name}={value!r} must be a whole number >= {minimum}")
 
 
-def _validate_optim(optim: DictConfig, mode: str) -> None:
+def _validate_optim(optim: DictConfig) -> None:
     from trainer.optim import SCHEDULES
 
     clip = optim.get("clip_grad_norm") or 0
@@ -55,12 +55,6 @@ def _validate_optim(optim: DictConfig, mode: str) -> None:
     ratio = optim.get("min_lr_ratio", 0.0)
     if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 <= ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio={ratio!r} must be between 0 and 1")
-    if optim.get("no_decay_bias_norm", False) and mode != "ddp":
-        # zero and fsdp step flat shards mixing weights and biases (trainer/optim.py).
-        raise ConfigError(
-            f"optim.no_decay_bias_norm=true is not available with mode={mode}; "
-            "use mode=ddp or optim.no_decay_bias_norm=false"
-        )
 
 
 def _validate_precision(cfg: DictConfig) -> None:

@@ -22,7 +22,7 @@ from trainer.errors import TrainingError
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.models import accuracy, loss_fn
-from trainer.optim import lr_scheduler, optimizer_factory
+from trainer.optim import lr_scheduler, optimizer_factory, param_options
 from trainer.parallel import build_engine
 from trainer.profiling import maybe_profile
 
@@ -66,13 +66,14 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
             env.world_size,
             cfg.train.eval_batches,
         )
-    optimizer = optimizer_factory(cfg.optim, model)
+    optimizer = optimizer_factory(cfg.optim)
     engine = build_engine(
         model,
         cfg.mode.name,
         optimizer,
         precision=cfg.precision,
         loss_scale=OmegaConf.to_container(cfg.loss_scale),
+        param_options=param_options(cfg.optim),
         **engine_options(cfg),
     )
     scheduler = lr_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)

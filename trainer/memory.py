@@ -139,7 +139,10 @@ def _fsdp_unit_bytes(engine: Any) -> int:
         return 0
 
     def working(u: Any) -> int:  # full params in their dtype, full grads in reduce dtype
-        return u.layout.padded_numel * (u.full.element_size() + _itemsize(u.reduce_dtype))
+        return sum(
+            f.layout.padded_numel * (f.full.element_size() + _itemsize(f.reduce_dtype))
+            for f in u.flats
+        )
 
     root = working(units[0]) if units[0].params else 0
     others = sorted((working(u) for u in units[1:]), reverse=True)

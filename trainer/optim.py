@@ -1,8 +1,8 @@
 """Optimizer-side options of the `optim` config group that are not the optimizer's own
 arguments: weight-decay groups, the learning-rate schedule and gradient clipping.
 
-    optimizer = optimizer_factory(cfg.optim, model)          # a callable for build_engine
-    engine = build_engine(model, mode, optimizer, ...)
+    optimizer = optimizer_factory(cfg.optim)                 # a callable for build_engine
+    engine = build_engine(model, mode, optimizer, param_options=param_options(cfg.optim))
     scheduler = lr_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)
 
 Clipping itself is `engine.clip_grad_norm_` (trainer/parallel/engine.py): only the
@@ -12,7 +12,7 @@ engine knows where its gradients live.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,56 +21,33 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.parallel.engine import OptimizerFactory
+from trainer.parallel.engine import OptimizerFactory, ParamGroupFn
 
 # Keys of the optim group read by the trainer; everything else goes to the optimizer.
 TRAINER_KEYS = ("clip_grad_norm", "schedule", "warmup_steps", "min_lr_ratio", "no_decay_bias_norm")
 SCHEDULES = ("constant", "cosine")
 
 
-def optimizer_factory(optim: DictConfig, model: nn.Module) -> OptimizerFactory:
-    """The optimizer partial from `optim` (trainer keys removed), with weight-decay groups
-    when `optim.no_decay_bias_norm` is true."""
+def optimizer_factory(optim: DictConfig) -> OptimizerFactory:
+    """The optimizer partial from `optim`, the trainer's own keys removed."""
     kwargs = OmegaConf.to_container(optim, resolve=True)
     for key in TRAINER_KEYS:
         kwargs.pop(key, None)
-    factory = instantiate(kwargs)
-    if optim.get("no_decay_bias_norm", False):
-        return DecayGroups(factory, model)
-    return factory
+    return instantiate(kwargs)
 
 
-def no_weight_decay(p: nn.Parameter) -> bool:
+def param_options(optim: DictConfig) -> ParamGroupFn | None:
+    """Per-parameter optimizer options for build_engine: no weight decay on biases and
+    norms when `optim.no_decay_bias_norm` is true, else None (one param group)."""
+    return no_decay_bias_norm if optim.get("no_decay_bias_norm", False) else None
+
+
+def no_decay_bias_norm(name: str, p: nn.Parameter) -> dict[str, Any]:
     """Biases and normalisation weights, the parameters with fewer than two dimensions,
-    are not decayed: decay would pull a LayerNorm's gain towards 0, not its identity."""
-    return p.ndim < 2
-
-
-class DecayGroups:
-    """An optimizer factory that puts `no_weight_decay` parameters in a group with
-    weight_decay=0 and the others in a group with the optimizer's configured decay.
-
-    It needs the model's own parameters: ddp hands them to the optimizer. zero and fsdp
-    hand it flat 1-D shards in which weights and biases are mixed, so there the choice
-    cannot be made per parameter and this factory refuses them (config.validate rejects
-    that combination before any process starts; this is the check for library users).
-    """
-
-    def __init__(self, factory: OptimizerFactory, model: nn.Module):
-        self.factory = factory
-        self._model_params = {id(p) for p in model.parameters()}
-
-    def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        params = list(params)
-        if any(id(p) not in self._model_params for p in params):
-            raise ConfigError(
-                "optim.no_decay_bias_norm=true needs the model's own parameters; this mode "
-                "steps flat shards that mix weights and biases (use mode=ddp)"
-            )
-        decay = [p for p in params if not no_weight_decay(p)]
-        no_decay = [p for p in params if no_weight_decay(p)]
-        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return self.factory([g for g in groups if g["params"]])
+    are not decayed: decay would pull a LayerNorm's gain towards 0, not its identity.
+    Every mode honours it: ddp steps parameters one by one; zero and fsdp keep such
+    parameters in flat buffers of their own, so no shard mixes the two groups."""
+    return {"weight_decay": 0.0} if p.ndim < 2 else {}
 
 
 def lr_lambda(

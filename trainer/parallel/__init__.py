@@ -10,7 +10,7 @@ from torch import nn
 from trainer import comm
 from trainer.errors import ConfigError
 from trainer.parallel.ddp import DDPEngine
-from trainer.parallel.engine import Engine, OptimizerFactory
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
 from trainer.parallel.fsdp import FSDPEngine
 from trainer.parallel.zero import ZeroEngine
 from trainer.precision import LossScaler, Precision
@@ -25,12 +25,15 @@ def build_engine(
     precision: str = "fp32",
     reduce_dtype: str = "fp32",
     loss_scale: dict[str, Any] | None = None,
+    param_options: ParamGroupFn | None = None,
     **options: Any,
 ) -> Engine:
     """Wrap `model` (fp32) for `mode`; `optimizer` is called with the parameters it should
     step. `precision` (fp32 | bf16 | fp16) is the dtype forward and backward run in, with
     fp32 masters for the optimizer; `reduce_dtype` the dtype gradients are reduced in;
     `loss_scale` the options of fp16's dynamic loss scaling (trainer/precision.py).
+    `param_options(name, param)` gives a parameter's optimizer options (e.g.
+    {"weight_decay": 0.0}); the optimizer gets one param group per distinct options.
     `options` are the mode's own (bucket_mb, reshard_after_forward, ...)."""
     mp = Precision.of(precision, reduce_dtype)
     scaler = LossScaler(enabled=mp.param_dtype == torch.float16, **(loss_scale or {}))
@@ -49,7 +52,9 @@ def build_engine(
             f"precision={precision} keeps fp32 masters of an fp32 model; this model's "
             f"parameters are {sorted(map(str, floating))}"
         )
-    return engine_cls(model, optimizer, precision=mp, scaler=scaler, **options)
+    return engine_cls(
+        model, optimizer, precision=mp, scaler=scaler, param_options=param_options, **options
+    )
 
 
 __all__ = ["ENGINES", "Engine", "build_engine"]

@@ -27,7 +27,13 @@ from torch import nn
 
 from trainer import comm
 from trainer.flat import FlatLayout, bucketize
-from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup
+from trainer.parallel.engine import (
+    Engine,
+    OptimizerFactory,
+    ParamGroupFn,
+    ShardGroup,
+    param_groups,
+)
 from trainer.precision import LossScaler, Precision, cast_module
 
 
@@ -54,9 +60,11 @@ class DDPEngine(Engine):
         bucket_mb: float = 25.0,
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
+        param_options: ParamGroupFn | None = None,
     ):
         super().__init__(module, precision, scaler)
-        params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         self._names = {id(p): n for n, p in module.named_parameters()}
         mp = self.precision
         self.buckets = [
@@ -79,7 +87,9 @@ class DDPEngine(Engine):
                 p.register_post_accumulate_grad_hook(self._hook(b, view))
         master = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
         self._masters = [(p, master[id(p)]) for p in params]  # module order
-        self.optimizer = optimizer([m for _, m in self._masters])
+        # Every parameter is its own tensor to the optimizer: any grouping works.
+        opts = {id(p): param_options(n, p) if param_options else {} for n, p in named}
+        self.optimizer = optimizer(param_groups((opts[id(p)], m) for p, m in self._masters))
 
     def _hook(self, bucket: _Bucket, view: torch.Tensor):
         def on_grad_ready(p: torch.Tensor) -> None:

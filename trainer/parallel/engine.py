@@ -25,7 +25,34 @@ from trainer import comm
 from trainer.flat import FlatLayout
 from trainer.precision import LossScaler, Precision
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# Called with the tensors to step: a list of tensors, or of param-group dicts.
+OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
+# Optimizer options of one parameter, by name: {} for the defaults, {"weight_decay": 0.0}.
+ParamGroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
+
+
+def split_by_options(
+    named: Iterable[tuple[str, nn.Parameter]], options: ParamGroupFn | None
+) -> list[tuple[dict[str, Any], list[tuple[str, nn.Parameter]]]]:
+    """Parameters grouped by the optimizer options `options` gives each, groups in order
+    of first appearance; one group with {} when `options` is None. zero and fsdp lay each
+    group out in flat buffers of its own, so that a shard never mixes two groups."""
+    groups: dict[tuple, tuple[dict[str, Any], list]] = {}
+    for name, p in named:
+        opts = options(name, p) if options else {}
+        groups.setdefault(tuple(sorted(opts.items())), (opts, []))[1].append((name, p))
+    return list(groups.values())
+
+
+def param_groups(pairs: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> list[dict[str, Any]]:
+    """torch.optim param groups from (options, tensor) pairs, one group per distinct
+    options. Groups are ordered by their options (the defaults first), not by where the
+    modes happen to meet them, so a checkpoint's groups line up in every mode."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for opts, t in pairs:
+        key = tuple(sorted(opts.items()))
+        groups.setdefault(key, {**opts, "params": []})["params"].append(t)
+    return [groups[k] for k in sorted(groups, key=lambda k: (len(k), repr(k)))]
 
 
 class Engine:
@@ -298,8 +325,8 @@ class Engine:
         saved = state["optim_hparams"]
         same = len(saved) == len(target["param_groups"])
         for i, pg in enumerate(target["param_groups"]):
-            # The same grouping: every hyperparameter; another one (ddp's weight-decay
-            # groups against one group of shards): the learning rate alone.
+            # The same grouping: every hyperparameter; another one (a run with weight-decay
+            # groups resumed without them): the learning rate alone.
             lr = {k: saved[0][k] for k in ("lr", "initial_lr") if k in saved[0]}
             pg.update(saved[i] if same else lr)
         opt.load_state_dict(target)

@@ -24,6 +24,11 @@ whole model (4Ψ in fp32) until the synced backward reduces them.
 Buffers (BatchNorm statistics) stay replicated and follow rank 0 as in ddp. Tied
 parameters live in the unit enclosing all their uses (units.py).
 
+Parameters with different optimizer options (`param_options`, e.g. no weight decay on
+biases and norms) get flat buffers of their own within a unit: one shard is one tensor
+to the optimizer, so it cannot span two param groups. Such a unit then runs one
+AllGather and one ReduceScatter per buffer, at the same points.
+
 Mixed precision ([Note: master weights] in trainer/precision.py): the shards stay fp32,
 as the masters the optimizer steps; a unit's full buffer is `param_dtype`, and each
 AllGather sends the shard cast to it (half the bytes of fp32 for bf16), as FSDP's
@@ -71,7 +76,15 @@ from torch.utils._pytree import tree_leaves
 from trainer import comm
 from trainer.errors import ConfigError
 from trainer.flat import FlatLayout
-from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup, optimizer_state_tensors
+from trainer.parallel.engine import (
+    Engine,
+    OptimizerFactory,
+    ParamGroupFn,
+    ShardGroup,
+    optimizer_state_tensors,
+    param_groups,
+    split_by_options,
+)
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.precision import LossScaler, Precision, cast_module
 
@@ -81,22 +94,31 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _Unit:
-    def __init__(self, tag: str, plan: UnitPlan, world_size: int, rank: int, mp: Precision):
-        self.tag, self.name, self.module = tag, plan.name or "<root>", plan.module
-        self.names = [n for n, _ in plan.params]
-        self.params = [p for _, p in plan.params]
-        if len({(p.dtype, p.device) for p in self.params}) > 1:
-            raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {self.names}")
+class _Flat:
+    """One flat buffer of a unit: its parameters of one optimizer param group, padded to a
+    multiple of P; this rank keeps slice r as `shard` (fp32), the optimizer's tensor."""
+
+    def __init__(
+        self,
+        tag: str,
+        pairs: list[tuple[str, nn.Parameter]],
+        options: dict[str, Any],
+        world_size: int,
+        rank: int,
+        mp: Precision,
+    ):
+        self.tag, self.options = tag, options
+        self.names = [n for n, _ in pairs]
+        self.params = [p for _, p in pairs]
         self.layout = FlatLayout.of(self.params, world_size)
-        like = self.params[0] if self.params else torch.empty(0)
+        like = self.params[0]
         n, s = self.layout.padded_numel, self.layout.shard_size(world_size)
         self.full = torch.zeros(n, dtype=like.dtype, device=like.device)  # (P*S,)
-        self.nbytes = self.full.untyped_storage().nbytes()
         self.layout.copy_in(self.full, [p.detach() for p in self.params])
         self.shard = nn.Parameter(self.full[rank * s : (rank + 1) * s].clone())  # (S,)
         if mp.mixed:  # the shard above is the fp32 master; compute in param_dtype
             self.full = self.full.to(mp.param_dtype)
+        self.nbytes = self.full.untyped_storage().nbytes()
         self.reduce_dtype = mp.reduce_dtype
         self.views = self.layout.views(self.full)  # [Note: parameters as views of one storage]
         self.empty = self.full.new_empty(0)
@@ -104,12 +126,42 @@ class _Unit:
         for p in self.params:
             p.data = self.empty
         self.gather: comm.Handle | None = None  # AllGather in flight into self.full
+
+    @property
+    def is_full(self) -> bool:  # gathered, or being gathered
+        return self.full.untyped_storage().nbytes() > 0
+
+
+class _Unit:
+    """A submodule whose parameters are gathered and freed together: one flat buffer, or
+    one per optimizer param group (e.g. weights and, with no weight decay, biases and
+    norms), all gathered and reduced at the same points."""
+
+    def __init__(
+        self,
+        tag: str,
+        plan: UnitPlan,
+        world_size: int,
+        rank: int,
+        mp: Precision,
+        param_options: ParamGroupFn | None,
+    ):
+        self.tag, self.name, self.module = tag, plan.name or "<root>", plan.module
+        self.params = [p for _, p in plan.params]
+        if len({(p.dtype, p.device) for p in self.params}) > 1:
+            names = [n for n, _ in plan.params]
+            raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {names}")
+        groups = split_by_options(plan.params, param_options)
+        self.flats = [
+            _Flat(tag if i == 0 else f"{tag}.{i}", pairs, opts, world_size, rank, mp)
+            for i, (opts, pairs) in enumerate(groups)
+        ]
         self.ready = 0  # parameters whose gradient arrived in this backward
         self.done = False  # gradients handled in this backward
 
     @property
     def is_full(self) -> bool:  # gathered, or being gathered
-        return self.full.untyped_storage().nbytes() > 0
+        return any(f.is_full for f in self.flats)
 
 
 class FSDPEngine(Engine):
@@ -126,6 +178,7 @@ class FSDPEngine(Engine):
         bucket_mb: float = 25.0,  # accepted so all modes take one config; fsdp sends per unit
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
+        param_options: ParamGroupFn | None = None,
     ):
         # rank 0's initial values reach every rank before sharding
         super().__init__(module, precision, scaler)
@@ -137,7 +190,7 @@ class FSDPEngine(Engine):
         plans = plan_units(module, classes, min_unit_params)
         tags = ["root"] + [f"unit{i}" for i in range(len(plans) - 1)]
         self.units = [
-            _Unit(t, u, self.world_size, self.rank, self.precision)
+            _Unit(t, u, self.world_size, self.rank, self.precision, param_options)
             for t, u in zip(tags, plans, strict=True)
         ]
         if self.precision.mixed:  # buffers (parameters already point at cast buffers)
@@ -145,35 +198,39 @@ class FSDPEngine(Engine):
         self.root = self.units[0]
         self._order = self.units[1:]  # forward order: registration order until recorded
         self._recording: list[_Unit] = []
-        self._reducing: list[tuple[_Unit, comm.Handle, torch.Tensor, torch.Tensor]] = []
+        self._reducing: list[tuple[_Flat, comm.Handle, torch.Tensor, torch.Tensor]] = []
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             for p in u.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u))
-        self.optimizer = optimizer([u.shard for u in self.units if u.params])
+        flats = [f for u in self.units for f in u.flats]
+        self.optimizer = optimizer(param_groups((f.options, f.shard) for f in flats))
 
     # -- unshard / reshard ---------------------------------------------------------------
     def _unshard(self, u: _Unit) -> None:
         """Launch the AllGather of `u`'s full parameters, unless they are there already."""
-        if u.is_full or not u.params:
-            return
-        u.full.untyped_storage().resize_(u.nbytes)
-        shard = u.shard.detach().to(u.full.dtype)  # a cast copy when mixed precision
-        u.gather = comm.all_gather(u.full, shard, tag=u.tag)
+        for f in u.flats:
+            if f.is_full:
+                continue
+            f.full.untyped_storage().resize_(f.nbytes)
+            shard = f.shard.detach().to(f.full.dtype)  # a cast copy when mixed precision
+            f.gather = comm.all_gather(f.full, shard, tag=f.tag)
 
     def _wait(self, u: _Unit) -> None:
-        if u.gather is not None:
-            u.gather.wait()
-            u.gather = None
-            for p, view in zip(u.params, u.views, strict=True):
-                p.data = view
+        for f in u.flats:
+            if f.gather is not None:
+                f.gather.wait()
+                f.gather = None
+                for p, view in zip(f.params, f.views, strict=True):
+                    p.data = view
 
     def _reshard(self, u: _Unit) -> None:
         self._wait(u)  # the collective may still be writing into the storage
-        for p in u.params:
-            p.data = u.empty
-        u.full.untyped_storage().resize_(0)
+        for f in u.flats:
+            for p in f.params:
+                p.data = f.empty
+            f.full.untyped_storage().resize_(0)
 
     def _next_forward(self, u: _Unit) -> _Unit | None:
         if u is self.root:
@@ -255,30 +312,30 @@ class FSDPEngine(Engine):
             self._reshard(u)
             return
         self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
-        flat = torch.empty_like(u.full, dtype=u.reduce_dtype)  # (P*S,) all written below
-        flat[u.layout.numel :].zero_()  # padding
-        for view, p in zip(u.layout.views(flat), u.params, strict=True):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = None
-            else:
-                view.zero_()
-        out = torch.empty_like(u.shard, dtype=u.reduce_dtype)  # (S,)
-        self._reducing.append(
-            (u, comm.reduce_scatter(out, flat, average=True, tag=u.tag), out, flat)
-        )
+        for f in u.flats:
+            flat = torch.empty_like(f.full, dtype=f.reduce_dtype)  # (P*S,) all written below
+            flat[f.layout.numel :].zero_()  # padding
+            for view, p in zip(f.layout.views(flat), f.params, strict=True):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                    p.grad = None
+                else:
+                    view.zero_()
+            out = torch.empty_like(f.shard, dtype=f.reduce_dtype)  # (S,)
+            handle = comm.reduce_scatter(out, flat, average=True, tag=f.tag)
+            self._reducing.append((f, handle, out, flat))
         # Earlier ReduceScatters ran while this unit computed: finish them, free their input.
-        while len(self._reducing) > 1:
+        while len(self._reducing) > len(u.flats):
             self._finish_reduce()
 
     def _finish_reduce(self) -> None:
-        u, handle, out, _ = self._reducing.pop(0)
+        f, handle, out, _ = self._reducing.pop(0)
         handle.wait()
         out = out.float()  # the shard's dtype; no copy when already fp32
-        if u.shard.grad is None:
-            u.shard.grad = out
+        if f.shard.grad is None:
+            f.shard.grad = out
         else:
-            u.shard.grad.add_(out)
+            f.shard.grad.add_(out)
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -297,29 +354,32 @@ class FSDPEngine(Engine):
         self.optimizer.step()
         self.zero_grad()
 
+    def _flats(self) -> list[_Flat]:
+        return [f for u in self.units for f in u.flats]
+
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        # This rank's (S,) slice of each unit's averaged gradient; padding is zero.
-        return [u.shard.grad for u in self.units if u.shard.grad is not None], True
+        # This rank's (S,) slice of each flat buffer's averaged gradient; padding is zero.
+        return [f.shard.grad for f in self._flats() if f.shard.grad is not None], True
 
     def zero_grad(self) -> None:
         for u in self.units:
-            u.shard.grad = None
+            for f in u.flats:
+                f.shard.grad = None
             for p in u.params:  # full gradients kept by no_sync
                 p.grad = None
 
     # -- state -----------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         module_grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
+        flats = self._flats()
         return {
-            "params": [u.shard for u in self.units if u.params]
-            + [u.full for u in self.units if u.is_full],
-            "grads": [u.shard.grad for u in self.units if u.shard.grad is not None] + module_grads,
+            # fp32 shards (the masters too, in mixed precision) and gathered full buffers
+            "params": [f.shard for f in flats] + [f.full for f in flats if f.is_full],
+            "grads": [f.shard.grad for f in flats if f.shard.grad is not None] + module_grads,
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [t for r in self._reducing for t in r[2:]],
         }
 
     def shard_groups(self) -> list[ShardGroup]:
-        # Rank r's slice of each unit, the very tensor the optimizer steps.
-        return [
-            ShardGroup(u.names, u.layout, u.shard, u.shard, True) for u in self.units if u.params
-        ]
+        # Rank r's slice of each flat buffer, the very tensor the optimizer steps.
+        return [ShardGroup(f.names, f.layout, f.shard, f.shard, True) for f in self._flats()]

@@ -30,8 +30,9 @@ and the AllGather moves `param_dtype` (half the bytes of fp32). Gradient buckets
 ReduceScatter use `reduce_dtype`; the result is kept in fp32 as the master's `.grad`.
 
 Build the engine after moving the model to its device: `.to()` would replace the views.
-Since every bucket's shard is one tensor to the optimizer, per-parameter options (param
-groups, e.g. no weight decay for biases) are not available in this mode.
+Every bucket's shard is one tensor to the optimizer, so parameters with different
+optimizer options (`param_options`, e.g. no weight decay for biases and norms) are bucketed
+apart; each bucket's shard joins the param group of its parameters.
 
 [Note: bounded buckets]
 ZeRO-2 that keeps every full bucket until backward ends peaks at a full gradient copy and
@@ -51,7 +52,15 @@ from torch import nn
 
 from trainer import comm
 from trainer.flat import FlatLayout, bucketize
-from trainer.parallel.engine import Engine, OptimizerFactory, ShardGroup, optimizer_state_tensors
+from trainer.parallel.engine import (
+    Engine,
+    OptimizerFactory,
+    ParamGroupFn,
+    ShardGroup,
+    optimizer_state_tensors,
+    param_groups,
+    split_by_options,
+)
 from trainer.precision import LossScaler, Precision, cast_module
 
 _MAX_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
@@ -65,8 +74,10 @@ class _Bucket:
         world_size: int,
         rank: int,
         precision: Precision,
+        options: dict,
     ):
         self.index = index
+        self.options = options  # optimizer options of every parameter in it
         self.params = list(params)
         self.layout = FlatLayout.of(self.params, world_size)
         p0 = self.params[0]
@@ -114,13 +125,22 @@ class ZeroEngine(Engine):
         bucket_mb: float = 25.0,
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
+        param_options: ParamGroupFn | None = None,
     ):
         super().__init__(module, precision, scaler)
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._names = {id(p): n for n, p in module.named_parameters()}
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in named}
+        # Buckets never mix optimizer groups (a shard is one tensor to the optimizer): each
+        # group is bucketed on its own, so a second group's buckets (e.g. no weight decay:
+        # biases and norms of every layer) fill, and launch, only as backward ends.
+        grouped = [
+            (opts, ps)
+            for opts, pairs in split_by_options(named, param_options)
+            for ps in bucketize([p for _, p in pairs], int(bucket_mb * 2**20))
+        ]
         self.buckets = [
-            _Bucket(i, ps, self.world_size, self.rank, self.precision)
-            for i, ps in enumerate(bucketize(params, int(bucket_mb * 2**20)))
+            _Bucket(i, ps, self.world_size, self.rank, self.precision, opts)
+            for i, (opts, ps) in enumerate(grouped)
         ]
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
             cast_module(module, self.precision.param_dtype)
@@ -130,7 +150,7 @@ class ZeroEngine(Engine):
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook(b))
-        self.optimizer = optimizer([b.shard for b in self.buckets])
+        self.optimizer = optimizer(param_groups((b.options, b.shard) for b in self.buckets))
 
     # -- backward: gradients into buckets, buckets ReduceScattered into shards -------------
     def _hook(self, bucket: _Bucket):
