@@ -87,10 +87,10 @@ def table(results: dict[str, dict], nproc: int) -> str:
         "high-water mark on CPU (whole process), CUDA max allocated on GPU. Traffic in MiB "
         "sent per rank per step, counted by the comm module vs the ring formula.",
         "",
-        "| mode | params | grads | optimizer | comm buffers | model state | gap | "
-        "model state vs ddp (measured / formula) | fsdp units in flight (expected) | "
+        "| mode | params | fp32 masters | grads | optimizer | comm buffers | model state | "
+        "gap | model state vs ddp (measured / formula) | fsdp units in flight (expected) | "
         "peak | sent per step / ring | algbw GB/s | busbw GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, f in results.items():
         ratio = "n/a"
@@ -107,7 +107,7 @@ def table(results: dict[str, dict], nproc: int) -> str:
             + " | ".join(
                 [
                     f"`{mode}`",
-                    *(_pair(f, k) for k in ("params", "grads", "optimizer")),
+                    *(_pair(f, k) for k in ("params", "master", "grads", "optimizer")),
                     _mib(f["memory/comm_bytes/max"]),
                     _pair(f, "model_state"),
                     f"{f['memory/model_state_gap_pct']:+.3f}%",
@@ -176,7 +176,13 @@ def chart(all_results: dict[int, dict[str, dict]], path: Path) -> bool:
         return False
     worlds = sorted(all_results)
     fig, axes = plt.subplots(1, len(worlds), figsize=(4 * len(worlds) + 1, 4.6), squeeze=False)
-    colors = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "comm": "#8172B3"}
+    colors = {
+        "params": "#4C72B0",
+        "master": "#64B5CD",
+        "grads": "#DD8452",
+        "optimizer": "#55A868",
+        "comm": "#8172B3",
+    }
     for ax, p in zip(axes[0], worlds, strict=True):
         results = all_results[p]
         modes = list(results)
