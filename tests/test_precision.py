@@ -58,6 +58,17 @@ def _bf16(env, mode: str) -> dict:
     return {"state": engine.full_state_dict(), "seen": seen, "sent": sent[-1]}
 
 
+def _bf16_accumulated(env, mode: str) -> dict:
+    """As _bf16, each rank's slice run as 2 micro-batches under no_sync."""
+    from trainer.loop import forward_backward
+
+    engine = _engine(mode, make_model("gpt", seed=env.rank), precision="bf16")
+    for x, y in batches("gpt", STEPS, BATCH):
+        forward_backward(engine, _slice(env, x), _slice(env, y), 2)
+        assert engine.step()
+    return engine.full_state_dict()
+
+
 def _fp32_traffic(env, mode: str) -> dict:
     from trainer import comm
 
@@ -98,15 +109,27 @@ def _fp16_injected_inf(env, mode: str) -> dict:
 
     target.register_hook(poison)
     stepped, scales, local_bad, states = [], [], [], [engine.full_state_dict()]
+    norms = []
     for i, (x, y) in enumerate(batches("gpt", 3, BATCH)):
         inject["now"] = i == 1
         engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
         grads, _ = engine.grad_tensors()
         local_bad.append(any(not torch.isfinite(g).all() for g in grads))
+        norms.append(engine.clip_grad_norm_(1e9).item())  # unscales first: the true norm
         stepped.append(engine.step())
         scales.append(engine.scaler.scale)
         states.append(engine.full_state_dict())
-    return {"stepped": stepped, "scales": scales, "local_bad": local_bad, "states": states}
+    fp32 = _engine(mode, make_model("gpt", seed=env.rank))
+    (x, y), *_ = batches("gpt", 1, BATCH)
+    fp32.backward(any_loss(fp32(_slice(env, x)), _slice(env, y)))
+    return {
+        "stepped": stepped,
+        "scales": scales,
+        "local_bad": local_bad,
+        "states": states,
+        "norms": norms,
+        "fp32_norm": fp32.clip_grad_norm_(1e9).item(),
+    }
 
 
 def _fsdp2_bf16(env) -> dict:
@@ -135,6 +158,7 @@ def _all(env) -> dict:
     for mode in MODES:
         out[mode] = {
             "bf16": _bf16(env, mode),
+            "bf16_accumulated": _bf16_accumulated(env, mode),
             "fp32_sent": _fp32_traffic(env, mode),
             "losses": {p: _losses(env, mode, p) for p in ("bf16", "fp16")},
             "fp16": _fp16_injected_inf(env, mode),
@@ -201,6 +225,13 @@ def test_bf16_matches_fsdp2_and_a_bf16_single_process(ranks, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_bf16_accumulation_equals_the_whole_slice(ranks, mode):
+    for r in ranks:  # micro-batches round differently from one batch: loosely
+        got, want = r[mode]["bf16_accumulated"], r[mode]["bf16"]["state"]
+        assert _max_diff(got, want) < 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_loss_still_falls_in_low_precision(ranks, mode, precision):
     losses = ranks[0][mode]["losses"][precision]
@@ -227,6 +258,9 @@ def test_fp16_scaler_skips_the_step_with_an_injected_inf(ranks, mode):
         before, after = run["states"][1], run["states"][2]
         assert all(torch.equal(before[k], after[k]) for k in before)  # untouched
         assert _max_diff(run["states"][2], run["states"][3]) > 0  # the next step updates
+        # clipping sees unscaled gradients: fp16's norm is fp32's, not 1024 times it
+        assert run["norms"][0] == pytest.approx(run["fp32_norm"], rel=2e-2)
+        assert math.isinf(run["norms"][1]) or math.isnan(run["norms"][1])
     if mode != "ddp":  # sharded gradients: only some ranks saw the inf themselves
         assert [run["local_bad"][1] for run in runs] != [True, True]
     assert all(not run["local_bad"][0] and not run["local_bad"][2] for run in runs)
