@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -14,14 +15,15 @@ pytestmark = [
 ]
 
 
-def test_every_mode_matches_cpu_gloo_on_gpu(tmp_path):
+@pytest.mark.parametrize("precision, tol", [("fp32", "1e-3"), ("bf16", "2e-2")])
+def test_every_mode_matches_cpu_gloo_on_gpu(tmp_path, precision, tol):
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "6"],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "6", f"precision={precision}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
-        env={**__import__("os").environ, "OUT_DIR": str(tmp_path / "gpu")},
+        env={**os.environ, "OUT_DIR": str(tmp_path / "gpu"), "TOL": tol},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line[:5] in ("ddp: ", "zero:", "fsdp:")]
