@@ -168,10 +168,8 @@ class Engine:
         out = {}
         for k, v in self.module.state_dict(keep_vars=True).items():
             t = values.get(id(v))
-            if t is None:  # buffers and frozen parameters: every rank holds them whole
-                t = v.detach().cpu().clone()
-                t = t.float() if t.is_floating_point() else t
-            out[k] = t
+            # buffers and frozen parameters: every rank holds them whole
+            out[k] = t if t is not None else _fp32(v.detach().cpu().clone())
         return out
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -302,7 +300,8 @@ class Engine:
             "optim_hparams": [
                 {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
             ],
-            "replicated": {k: module[k].detach().cpu().clone() for k in whole},
+            # fp32 like the masters, so a checkpoint does not depend on `precision`
+            "replicated": {k: _fp32(module[k].detach().cpu().clone()) for k in whole},
         }
 
     @torch.no_grad()
@@ -357,6 +356,11 @@ def _optimizer_entry(state: dict[str, Any], param: torch.Tensor) -> dict[str, di
         else:
             scalar[k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
     return {"per_element": per_element, "scalar": scalar}
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Floating tensors as fp32 (bf16/fp16 buffers of a mixed-precision module)."""
+    return t.float() if t.is_floating_point() else t
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
