@@ -53,6 +53,50 @@ def test_unused_parameter_does_not_hang():
     assert_state_close(got[0], got[1])
 
 
+def _unused_vs_torch_ddp(env, precision: str) -> tuple[dict, dict, torch.Tensor]:
+    """AdamW with weight decay: fc_unused is used by no rank, fc_rank0 by rank 0 only."""
+    import functools
+
+    from reference import IN, OUT, any_loss, batches, rank_slice
+    from torch import nn
+
+    from trainer.parallel import build_engine
+
+    def model():
+        m = make_model("unused", seed=0)
+        m.fc_rank0 = nn.Linear(IN, OUT)
+        plain = m.forward
+        m.forward = lambda x: plain(x) + m.fc_rank0(x) if env.rank == 0 else plain(x)
+        return m
+
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    start = model().fc_rank0.weight.detach().clone()
+    ours = build_engine(model(), "ddp", adamw, precision=precision, bucket_mb=0.0004)
+    torch_ddp = nn.parallel.DistributedDataParallel(model(), find_unused_parameters=True)
+    opt = adamw(torch_ddp.parameters())
+    for x, y in batches("unused", STEPS, BATCH):
+        x, y = rank_slice(x, env.rank, 2), rank_slice(y, env.rank, 2)
+        ours.backward(any_loss(ours(x), y))
+        ours.step()
+        any_loss(torch_ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return ours.full_state_dict(), torch_ddp.module.state_dict(), start
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_unused_parameters_are_skipped_as_torch_ddp_does(precision):
+    init = make_model("unused", seed=0).state_dict()
+    for ours, ref, start in run_distributed(_unused_vs_torch_ddp, 2, precision):
+        # no gradient anywhere: AdamW neither decays it nor moves it, in both
+        assert torch.equal(ours["fc_unused.weight"], init["fc_unused.weight"])
+        assert torch.equal(ref["fc_unused.weight"], init["fc_unused.weight"])
+        if precision == "fp32":  # bf16 computes otherwise; the unused weight is the point
+            assert_state_close(ours, ref)
+        # used on rank 0 alone: trained on every rank
+        assert (ours["fc_rank0.weight"] - start).abs().max() > 1e-3
+
+
 def _overlap_trace(env):
     from torch import nn
 

@@ -32,9 +32,10 @@ def _bytes(params: int, grads: int, optimizer: int, comm: int = 0) -> dict[str, 
 # Bytes per rank right after the optimizer step, counted by hand.
 HAND = {
     # Every rank: 6 params (68 x 4), one gradient bucket (68 x 4) that every .grad views
-    # into, 2 x 68 x 4 of moments + 6 step counters.
-    ("ddp", 2): _bytes(272, 272, 544 + 24),
-    ("ddp", 4): _bytes(272, 272, 544 + 24),
+    # into, plus one used-flag per parameter (6 x 4, ddp.py's [Note: unused parameters]),
+    # 2 x 68 x 4 of moments + 6 step counters.
+    ("ddp", 2): _bytes(272, 272 + 24, 544 + 24),
+    ("ddp", 4): _bytes(272, 272 + 24, 544 + 24),
     # One flat bucket of full params, 68 elements, already a multiple of 2 and 4; rank r
     # keeps the (68/P,) mean gradient of its slice and moments for it, one step counter.
     ("zero", 2): _bytes(272, 34 * 4, 2 * 34 * 4 + 4),
@@ -55,9 +56,9 @@ def _bf16(params: int, master: int, grads: int, optimizer: int) -> dict[str, int
 
 
 HAND_BF16 = {
-    # params 68 x 2; masters 68 x 4; the fp32 bucket is the masters' .grad
-    ("ddp", 2): _bf16(136, 272, 272, 544 + 24),
-    ("ddp", 4): _bf16(136, 272, 272, 544 + 24),
+    # params 68 x 2; masters 68 x 4; the fp32 bucket (+ 6 flags) is the masters' .grad
+    ("ddp", 2): _bf16(136, 272, 272 + 24, 544 + 24),
+    ("ddp", 4): _bf16(136, 272, 272 + 24, 544 + 24),
     # the bf16 flat bucket; this rank's fp32 slice (68/P) and its fp32 mean gradient
     ("zero", 2): _bf16(136, 34 * 4, 34 * 4, 2 * 34 * 4 + 4),
     ("zero", 4): _bf16(136, 17 * 4, 17 * 4, 2 * 17 * 4 + 4),
@@ -183,8 +184,12 @@ def test_interval_metrics_log_memory_and_traffic(accounted):
         "comm/busbw_GBps",
     ):
         assert tag in logged, sorted(logged)
-    # the step's AllReduce, as the ring model expects (the initial broadcast aside)
-    assert logged["comm/bytes_per_step/all_reduce"] == logged["comm/expected_bytes_per_step"]
+    # the step's AllReduce, as the ring model expects (the initial broadcast aside), plus
+    # the 6 used-flags ddp's last bucket carries (ddp.py's [Note: unused parameters])
+    flags = 2 * (world - 1) / world * 6 * 4
+    assert (
+        logged["comm/bytes_per_step/all_reduce"] == logged["comm/expected_bytes_per_step"] + flags
+    )
     assert all(r["logged"] is None for r in results[1:])
 
 

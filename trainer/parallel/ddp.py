@@ -16,6 +16,16 @@ otherwise the hook adds each gradient into its slot, casting, and drops autograd
 AllReduce the fp32 master of every parameter gets its slice of the bucket (or of an fp32
 copy of it) as `.grad`; the optimizer steps the masters and the module's parameters are
 cast from them.
+
+[Note: unused parameters]
+A parameter that takes no part in the forward on some rank gets no gradient there; its
+slot in the bucket stays zero and the bucket is still reduced (the ranks' collectives
+must match). If no rank used it, torch DDP leaves its `.grad` None, so the optimizer
+skips it: AdamW neither decays it nor moves it with stale moments. Here too: the last
+bucket carries one extra element per parameter, 1 where this rank produced a gradient
+since the last step, and after its AllReduce a parameter whose element is 0 everywhere
+gets `.grad = None` until the next step. No extra collective is needed: the last
+bucket is launched after every other one, when each parameter's use is known.
 """
 
 from __future__ import annotations
@@ -38,12 +48,16 @@ from trainer.precision import LossScaler, Precision, cast_module
 
 
 class _Bucket:
-    def __init__(self, index: int, params: Sequence[nn.Parameter], dtype: torch.dtype):
+    def __init__(
+        self, index: int, params: Sequence[nn.Parameter], dtype: torch.dtype, extra: int = 0
+    ):
         self.index = index
         self.params = list(params)
         self.layout = FlatLayout.of(self.params)
         p0 = self.params[0]
-        self.grad = torch.zeros(self.layout.numel, dtype=dtype, device=p0.device)
+        # (numel + extra,): the gradients, then `extra` flags ([Note: unused parameters])
+        self.buffer = torch.zeros(self.layout.numel + extra, dtype=dtype, device=p0.device)
+        self.grad = self.buffer[: self.layout.numel]
         self.views = self.layout.views(self.grad)
         self.pending = len(self.params)
         self.handle: comm.Handle | None = None
@@ -67,10 +81,16 @@ class DDPEngine(Engine):
         params = [p for _, p in named]
         self._names = {id(p): n for n, p in module.named_parameters()}
         mp = self.precision
+        grouped = bucketize(params, int(bucket_mb * 2**20))
         self.buckets = [
-            _Bucket(i, ps, mp.reduce_dtype)
-            for i, ps in enumerate(bucketize(params, int(bucket_mb * 2**20)))
+            _Bucket(i, ps, mp.reduce_dtype, len(params) if i == len(grouped) - 1 else 0)
+            for i, ps in enumerate(grouped)
         ]
+        # [Note: unused parameters]: this rank's use of each parameter, in the last bucket
+        self._flags = self.buckets[-1].buffer[self.buckets[-1].layout.numel :]  # (n,)
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._used: set[int] = set()  # parameters with a gradient since the last sync
+        self._skipped: list[int] = []  # indices whose .grad is None until the next step
         if mp.mixed:  # fp32 masters from the fp32 values, then the module is cast
             for b in self.buckets:
                 b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
@@ -87,6 +107,9 @@ class DDPEngine(Engine):
                 p.register_post_accumulate_grad_hook(self._hook(b, view))
         master = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
         self._masters = [(p, master[id(p)]) for p in params]  # module order
+        self._view_of = {
+            id(p): v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)
+        }
         # Every parameter is its own tensor to the optimizer: any grouping works.
         opts = {id(p): param_options(n, p) if param_options else {} for n, p in named}
         self.optimizer = optimizer(param_groups((opts[id(p)], m) for p, m in self._masters))
@@ -100,6 +123,7 @@ class DDPEngine(Engine):
                 # Someone replaced .grad (e.g. set it to None): put it back into the bucket.
                 view.copy_(p.grad)
                 p.grad = view
+            self._used.add(id(p))
             if not self._sync:
                 return
             if id(p) in self._ready:
@@ -118,7 +142,10 @@ class DDPEngine(Engine):
             b = self.buckets[self._next]
             if b.pending and not force:
                 return
-            b.handle = comm.all_reduce(b.grad, average=True, tag=f"bucket{b.index}")
+            if b is self.buckets[-1]:  # every parameter's use is known by now
+                self._flags.zero_()
+                self._flags[[self._index[i] for i in self._used]] = 1
+            b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}")
             self._next += 1
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -137,6 +164,11 @@ class DDPEngine(Engine):
                 g = b.grad if b.grad.dtype == torch.float32 else b.grad.float()
                 for m, v in zip(b.masters, b.layout.views(g), strict=True):
                     m.grad = v
+        # Used by no rank: no gradient, as torch DDP ([Note: unused parameters]).
+        self._skipped = (self._flags == 0).nonzero().flatten().tolist()
+        for i in self._skipped:
+            self._masters[i][1].grad = None
+        self._used.clear()
         self._ready.clear()
         self._next = 0
 
@@ -165,6 +197,11 @@ class DDPEngine(Engine):
             if self._separate_grads:
                 for m in b.masters:
                     m.grad = None
+        if self._views and not self._separate_grads:  # the masters are the params
+            for i in self._skipped:
+                p = self._masters[i][0]
+                p.grad = self._view_of[id(p)]
+        self._skipped = []
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         state = super().state_tensors()
@@ -172,7 +209,7 @@ class DDPEngine(Engine):
         state["master"] = masters if self.precision.mixed else []
         # The buckets and, when separate, the masters' fp32 gradients.
         separate = [m.grad for m in masters if m.grad is not None]
-        state["grads"] = [b.grad for b in self.buckets] + separate
+        state["grads"] = [b.buffer for b in self.buckets] + separate
         return state
 
     def shard_groups(self) -> list[ShardGroup]:
