@@ -146,3 +146,48 @@ class LossScaler:
             self.scale = float(state["scale"])
             self.good_steps = int(state["good_steps"])
             self.skipped = int(state["skipped"])
+
+
+class GradAccumulator:
+    """Gradients summed across no_sync micro-batches in the reduction dtype, when the
+    parameters compute in a lower one (as FSDP2 does): k bf16 gradients added in bf16
+    would lose bits at every addition. Used by zero and fsdp, which keep the full
+    gradients of a micro-batch on the module's parameters (ddp adds them into its
+    reduce-dtype buckets directly)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[int, torch.Tensor] = {}
+
+    def add(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
+        """Move `p.grad` into the running sum (nothing to do when it is already `dtype`:
+        autograd then accumulates in `p.grad` itself)."""
+        if p.grad is None or p.grad.dtype == dtype:
+            return
+        total = self._sums.get(id(p))
+        if total is None:
+            self._sums[id(p)] = p.grad.to(dtype)
+        else:
+            total.add_(p.grad)
+        p.grad = None
+
+    @torch.no_grad()
+    def take(self, p: torch.nn.Parameter, out: torch.Tensor) -> bool:
+        """Write `p`'s whole gradient (the running sum plus `p.grad`) into `out` and drop
+        both; False when there is none."""
+        total = self._sums.pop(id(p), None)
+        if p.grad is not None:
+            out.copy_(p.grad)
+            p.grad = None
+            if total is not None:
+                out.add_(total)
+        elif total is not None:
+            out.copy_(total)
+        else:
+            return False
+        return True
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._sums.values())
+
+    def clear(self) -> None:
+        self._sums.clear()

@@ -86,7 +86,7 @@ from trainer.parallel.engine import (
     split_by_options,
 )
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
-from trainer.precision import LossScaler, Precision, cast_module
+from trainer.precision import GradAccumulator, LossScaler, Precision, cast_module
 
 
 def _recomputing() -> bool:
@@ -199,6 +199,7 @@ class FSDPEngine(Engine):
         self._order = self.units[1:]  # forward order: registration order until recorded
         self._recording: list[_Unit] = []
         self._reducing: list[tuple[_Flat, comm.Handle, torch.Tensor, torch.Tensor]] = []
+        self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
@@ -308,7 +309,11 @@ class FSDPEngine(Engine):
         comm.record("grads_ready", u.tag)
         if not self._sync or not u.params:
             # no_sync: full gradients stay on the module parameters and keep accumulating
-            # over micro-batches; the next synced backward reduces the sum.
+            # over micro-batches (in the reduce dtype when the parameters compute in a
+            # lower one); the next synced backward reduces the sum.
+            for f in u.flats:
+                for p in f.params:
+                    self._sums.add(p, f.reduce_dtype)
             self._reshard(u)
             return
         self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
@@ -316,10 +321,7 @@ class FSDPEngine(Engine):
             flat = torch.empty_like(f.full, dtype=f.reduce_dtype)  # (P*S,) all written below
             flat[f.layout.numel :].zero_()  # padding
             for view, p in zip(f.layout.views(flat), f.params, strict=True):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                    p.grad = None
-                else:
+                if not self._sums.take(p, view):
                     view.zero_()
             out = torch.empty_like(f.shard, dtype=f.reduce_dtype)  # (S,)
             handle = comm.reduce_scatter(out, flat, average=True, tag=f.tag)
@@ -367,6 +369,7 @@ class FSDPEngine(Engine):
                 f.shard.grad = None
             for p in u.params:  # full gradients kept by no_sync
                 p.grad = None
+        self._sums.clear()
 
     # -- state -----------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -375,7 +378,9 @@ class FSDPEngine(Engine):
         return {
             # fp32 shards (the masters too, in mixed precision) and gathered full buffers
             "params": [f.shard for f in flats] + [f.full for f in flats if f.is_full],
-            "grads": [f.shard.grad for f in flats if f.shard.grad is not None] + module_grads,
+            "grads": [f.shard.grad for f in flats if f.shard.grad is not None]
+            + module_grads
+            + self._sums.tensors(),
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [t for r in self._reducing for t in r[2:]],
         }

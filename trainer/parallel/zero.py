@@ -61,7 +61,7 @@ from trainer.parallel.engine import (
     param_groups,
     split_by_options,
 )
-from trainer.precision import LossScaler, Precision, cast_module
+from trainer.precision import GradAccumulator, LossScaler, Precision, cast_module
 
 _MAX_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
 
@@ -147,6 +147,7 @@ class ZeroEngine(Engine):
         self._ready: set[int] = set()
         self._next = 0  # first bucket not yet launched
         self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
+        self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook(b))
@@ -156,15 +157,17 @@ class ZeroEngine(Engine):
     def _hook(self, bucket: _Bucket):
         def on_grad_ready(p: nn.Parameter) -> None:
             if not self._sync:
-                return  # no_sync: autograd keeps accumulating the full gradient in p.grad
+                # no_sync: the full gradient accumulates in p.grad (autograd), or in the
+                # reduce dtype when p computes in a lower one
+                self._sums.add(p, bucket.reduce_dtype)
+                return
             if id(p) in self._ready:
                 raise RuntimeError(
                     f"parameter {self._names[id(p)]!r} received its gradient twice in one "
                     "backward; zero reduces each gradient once per backward"
                 )
             self._ready.add(id(p))
-            bucket.grad_slot(p).copy_(p.grad)
-            p.grad = None  # frees autograd's full-size gradient
+            self._sums.take(p, bucket.grad_slot(p))  # frees autograd's full-size gradient
             bucket.pending -= 1
             self._launch_ready()
 
@@ -180,10 +183,7 @@ class ZeroEngine(Engine):
                 if id(p) not in self._ready:
                     # No gradient in this backward: reduce what no_sync accumulated, or zero.
                     slot = b.grad_slot(p)
-                    if p.grad is not None:
-                        slot.copy_(p.grad)
-                        p.grad = None
-                    else:
+                    if not self._sums.take(p, slot):
                         slot.zero_()
             b.reduced = torch.empty_like(b.shard_data, dtype=b.reduce_dtype)
             b.handle = comm.reduce_scatter(b.reduced, b.grad, average=True, tag=f"bucket{b.index}")
@@ -220,8 +220,9 @@ class ZeroEngine(Engine):
         """Accumulate gradients locally; the first backward outside reduces them.
 
         Memory cost: while inside, autograd keeps a full-size `.grad` on every parameter
-        (4Ψ bytes in fp32, as in ddp) on top of the sharded state, until the next synced
-        backward copies each into its bucket and frees it.
+        (4Ψ bytes in fp32, as in ddp; with bf16 parameters a sum in the fp32 reduce dtype,
+        as FSDP2 keeps) on top of the sharded state, until the next synced backward
+        copies each into its bucket and frees it.
         """
         with super().no_sync():
             yield
@@ -252,6 +253,7 @@ class ZeroEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.module.parameters():
             p.grad = None  # left by a no_sync backward that was never synced
+        self._sums.clear()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Params are the flat buffers (model params and shards are views of them); grads
@@ -266,7 +268,7 @@ class ZeroEngine(Engine):
             "params": [b.flat for b in self.buckets] + frozen,
             # fp32 masters when mixed; otherwise views of `flat`, counted there already
             "master": [b.shard for b in self.buckets],
-            "grads": shard_grads + bucket_grads + local_grads,
+            "grads": shard_grads + bucket_grads + local_grads + self._sums.tensors(),
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
         }
