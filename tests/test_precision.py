@@ -157,6 +157,19 @@ def _fsdp2_bf16(env, accum: int = 1) -> dict:
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 
+def _frozen(env, mode: str) -> dict:
+    """bf16 with fc1 frozen: its saved values must be the fp32 ones, not bf16-rounded."""
+    model = make_model("mlp", seed=0)
+    model.fc1.requires_grad_(False)
+    want = model.fc1.weight.detach().clone()
+    engine = _engine(mode, model, precision="bf16")
+    (x, y), *_ = batches("mlp", 1, BATCH)
+    engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
+    engine.step()
+    saved = engine.sharded_state()["replicated"]
+    return {"want": want, "full": engine.full_state_dict(), "saved": saved}
+
+
 def _all(env) -> dict:
     out = {}
     for mode in MODES:
@@ -167,6 +180,8 @@ def _all(env) -> dict:
             "losses": {p: _losses(env, mode, p) for p in ("bf16", "fp16")},
             "fp16": _fp16_injected_inf(env, mode),
         }
+        if mode != "fsdp":  # fsdp shards trainable parameters only
+            out[mode]["frozen"] = _frozen(env, mode)
     out["fsdp2"] = _fsdp2_bf16(env)
     out["fsdp2_accumulated"] = _fsdp2_bf16(env, accum=2)
     return out
@@ -238,6 +253,16 @@ def test_bf16_accumulation_matches_fsdp2_and_the_whole_slice(ranks, mode):
         # FSDP2 sums the micro-batches' bf16 gradients in fp32 (the reduce dtype): so do we
         # (summed in bf16 instead, zero and fsdp were 1.1e-4 away)
         assert _max_diff(got, r["fsdp2_accumulated"]) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero"])
+def test_frozen_parameters_keep_their_fp32_values(ranks, mode):
+    for r in ranks:
+        got = r[mode]["frozen"]
+        assert got["want"].dtype == torch.float32
+        assert not torch.equal(got["want"], got["want"].bfloat16().float())  # bf16 would show
+        assert torch.equal(got["full"]["fc1.weight"], got["want"])
+        assert torch.equal(got["saved"]["fc1.weight"], got["want"])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -44,7 +44,7 @@ from trainer.parallel.engine import (
     ShardGroup,
     param_groups,
 )
-from trainer.precision import LossScaler, Precision, cast_module
+from trainer.precision import LossScaler, Precision
 
 
 class _Bucket:
@@ -94,7 +94,7 @@ class DDPEngine(Engine):
         if mp.mixed:  # fp32 masters from the fp32 values, then the module is cast
             for b in self.buckets:
                 b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
-            cast_module(module, mp.param_dtype)
+            self._cast_module()
         # .grad views into the buckets when dtypes allow, else copies into them
         self._views = all(p.dtype == mp.reduce_dtype for p in params)
         self._separate_grads = mp.mixed or not self._views  # masters get their own .grad
@@ -206,7 +206,7 @@ class DDPEngine(Engine):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         state = super().state_tensors()
         masters = [m for _, m in self._masters]
-        state["master"] = masters if self.precision.mixed else []
+        state["master"] = (masters if self.precision.mixed else []) + [*self._frozen.values()]
         # The buckets and, when separate, the masters' fp32 gradients.
         separate = [m.grad for m in masters if m.grad is not None]
         state["grads"] = [b.buffer for b in self.buckets] + separate

@@ -23,7 +23,7 @@ from torch import nn
 
 from trainer import comm
 from trainer.flat import FlatLayout
-from trainer.precision import LossScaler, Precision
+from trainer.precision import LossScaler, Precision, cast_module
 
 # Called with the tensors to step: a list of tensors, or of param-group dicts.
 OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
@@ -79,6 +79,20 @@ class Engine:
         self._buffers = [b for b in module.buffers()]
         self._sync = True
         self._found_inf: bool | None = None  # set when the gradients have been unscaled
+        self._frozen: dict[int, torch.Tensor] = {}  # fp32 values of frozen params, if cast
+
+    def _cast_module(self) -> None:
+        """Cast the module to the compute dtype (after the mode built its fp32 masters).
+        Frozen parameters have no master: their fp32 values are kept aside, so that a
+        saved model does not come back rounded to bf16."""
+        for p in self.module.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                self._frozen[id(p)] = p.detach().clone()
+        cast_module(self.module, self.precision.param_dtype)
+
+    def _whole(self, v: torch.Tensor) -> torch.Tensor:
+        """A tensor every rank keeps whole (buffer, frozen parameter) as an fp32 CPU copy."""
+        return _fp32(self._frozen.get(id(v), v).detach().cpu().clone())
 
     # -- forward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -169,7 +183,7 @@ class Engine:
         for k, v in self.module.state_dict(keep_vars=True).items():
             t = values.get(id(v))
             # buffers and frozen parameters: every rank holds them whole
-            out[k] = t if t is not None else _fp32(v.detach().cpu().clone())
+            out[k] = t if t is not None else self._whole(v)
         return out
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -185,7 +199,7 @@ class Engine:
         opt = getattr(self, "optimizer", None)
         return {
             "params": params,
-            "master": [],
+            "master": list(self._frozen.values()),
             "grads": grads,
             "optimizer": optimizer_state_tensors(opt) if opt is not None else [],
             "comm": [],
@@ -291,7 +305,7 @@ class Engine:
             params.append(g.local.detach().reshape(-1).cpu().clone() if held else None)
             optim.append(_optimizer_entry(opt.state.get(g.param, {}), g.param) if held else None)
         layout = self.shard_layout()
-        module = self.module.state_dict()
+        module = self.module.state_dict(keep_vars=True)
         whole = [k for k, name in layout["keys"] if name is None]
         return {
             "layout": layout,
@@ -301,7 +315,7 @@ class Engine:
                 {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
             ],
             # fp32 like the masters, so a checkpoint does not depend on `precision`
-            "replicated": {k: _fp32(module[k].detach().cpu().clone()) for k in whole},
+            "replicated": {k: self._whole(module[k]) for k in whole},
         }
 
     @torch.no_grad()
@@ -332,6 +346,8 @@ class Engine:
         module = self.module.state_dict(keep_vars=True)
         for k, v in state["replicated"].items():
             module[k].copy_(v)
+            if id(module[k]) in self._frozen:
+                self._frozen[id(module[k])].copy_(v)
         self._params_from_masters()
 
 

@@ -86,7 +86,7 @@ from trainer.parallel.engine import (
     split_by_options,
 )
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
-from trainer.precision import GradAccumulator, LossScaler, Precision, cast_module
+from trainer.precision import GradAccumulator, LossScaler, Precision
 
 
 def _recomputing() -> bool:
@@ -194,7 +194,7 @@ class FSDPEngine(Engine):
             for t, u in zip(tags, plans, strict=True)
         ]
         if self.precision.mixed:  # buffers (parameters already point at cast buffers)
-            cast_module(module, self.precision.param_dtype)
+            self._cast_module()
         self.root = self.units[0]
         self._order = self.units[1:]  # forward order: registration order until recorded
         self._recording: list[_Unit] = []

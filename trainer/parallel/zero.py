@@ -61,7 +61,7 @@ from trainer.parallel.engine import (
     param_groups,
     split_by_options,
 )
-from trainer.precision import GradAccumulator, LossScaler, Precision, cast_module
+from trainer.precision import GradAccumulator, LossScaler, Precision
 
 _MAX_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
 
@@ -143,7 +143,7 @@ class ZeroEngine(Engine):
             for i, (opts, ps) in enumerate(grouped)
         ]
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
-            cast_module(module, self.precision.param_dtype)
+            self._cast_module()
         self._ready: set[int] = set()
         self._next = 0  # first bucket not yet launched
         self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
@@ -267,7 +267,7 @@ class ZeroEngine(Engine):
         return {
             "params": [b.flat for b in self.buckets] + frozen,
             # fp32 masters when mixed; otherwise views of `flat`, counted there already
-            "master": [b.shard for b in self.buckets],
+            "master": [b.shard for b in self.buckets] + [*self._frozen.values()],
             "grads": shard_grads + bucket_grads + local_grads + self._sums.tensors(),
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
