@@ -164,8 +164,11 @@ class DDPEngine(Engine):
                 g = b.grad if b.grad.dtype == torch.float32 else b.grad.float()
                 for m, v in zip(b.masters, b.layout.views(g), strict=True):
                     m.grad = v
-        # Used by no rank: no gradient, as torch DDP ([Note: unused parameters]).
-        self._skipped = (self._flags == 0).nonzero().flatten().tolist()
+        # Used by no rank: no gradient, as torch DDP ([Note: unused parameters]). When this
+        # rank used every parameter there is none: the flags need not be read (on GPU,
+        # reading them would wait for the device).
+        if len(self._used) < len(self._index):
+            self._skipped = (self._flags == 0).nonzero().flatten().tolist()
         for i in self._skipped:
             self._masters[i][1].grad = None
         self._used.clear()
