@@ -179,9 +179,8 @@ def _all(env) -> dict:
             "fp32_sent": _fp32_traffic(env, mode),
             "losses": {p: _losses(env, mode, p) for p in ("bf16", "fp16")},
             "fp16": _fp16_injected_inf(env, mode),
+            "frozen": _frozen(env, mode),
         }
-        if mode != "fsdp":  # fsdp shards trainable parameters only
-            out[mode]["frozen"] = _frozen(env, mode)
     out["fsdp2"] = _fsdp2_bf16(env)
     out["fsdp2_accumulated"] = _fsdp2_bf16(env, accum=2)
     return out
@@ -255,7 +254,7 @@ def test_bf16_accumulation_matches_fsdp2_and_the_whole_slice(ranks, mode):
         assert _max_diff(got, r["fsdp2_accumulated"]) < 1e-6
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero"])
+@pytest.mark.parametrize("mode", MODES)
 def test_frozen_parameters_keep_their_fp32_values(ranks, mode):
     for r in ranks:
         got = r[mode]["frozen"]

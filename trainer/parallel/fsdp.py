@@ -21,8 +21,9 @@ every unit gathered from its forward until its backward: full parameters of the 
 model at the peak, one AllGather per unit and step fewer. `no_sync()` keeps each unit's
 full gradients on its module parameters across micro-batches: the full gradients of the
 whole model (4Ψ in fp32) until the synced backward reduces them.
-Buffers (BatchNorm statistics) stay replicated and follow rank 0 as in ddp. Tied
-parameters live in the unit enclosing all their uses (units.py).
+Buffers (BatchNorm statistics) stay replicated and follow rank 0 as in ddp; so do frozen
+parameters (requires_grad=False): they are neither sharded nor gathered, every rank
+keeps them whole. Tied parameters live in the unit enclosing all their uses (units.py).
 
 Parameters with different optimizer options (`param_options`, e.g. no weight decay on
 biases and norms) get flat buffers of their own within a unit: one shard is one tensor
@@ -182,12 +183,11 @@ class FSDPEngine(Engine):
     ):
         # rank 0's initial values reach every rank before sharding
         super().__init__(module, precision, scaler)
-        frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise ConfigError(f"fsdp shards trainable parameters only; frozen: {frozen}")
         self.reshard_after_forward = reshard_after_forward
         classes = DEFAULT_UNIT_CLASSES if unit_classes is None else tuple(unit_classes)
         plans = plan_units(module, classes, min_unit_params)
+        for plan in plans:  # frozen parameters stay whole on every rank, like buffers
+            plan.params = [(n, p) for n, p in plan.params if p.requires_grad]
         tags = ["root"] + [f"unit{i}" for i in range(len(plans) - 1)]
         self.units = [
             _Unit(t, u, self.world_size, self.rank, self.precision, param_options)
@@ -377,7 +377,9 @@ class FSDPEngine(Engine):
         flats = self._flats()
         return {
             # fp32 shards (the masters too, in mixed precision) and gathered full buffers
-            "params": [f.shard for f in flats] + [f.full for f in flats if f.is_full],
+            "params": [f.shard for f in flats]
+            + [f.full for f in flats if f.is_full]
+            + [p for p in self.module.parameters() if not p.requires_grad],
             "grads": [f.shard.grad for f in flats if f.shard.grad is not None]
             + module_grads
             + self._sums.tensors(),
