@@ -33,7 +33,8 @@ groups) is read by each rank from its own file (plus rank 0's for unsharded grou
 Any other layout is re-cut: every rank reads every file, reassembles each saved group's
 flat buffer from the ranks' ranges, takes each parameter and each per-element optimizer
 tensor (exp_avg, exp_avg_sq, momentum_buffer: shaped like the parameter) out of it by
-name, and lays them into its own groups, cutting its own range; step counters are copied.
+name, and lays them into its own groups, cutting its own range; step counters are kept
+per parameter name and copied.
 That is pure data movement, so values are exact; only the arithmetic that follows in
 the other mode may round differently.
 
@@ -65,7 +66,7 @@ from tqdm import tqdm
 from trainer import comm
 from trainer.errors import ConfigError, TrainingError
 
-FORMAT = 1
+FORMAT = 2  # 2: optimizer step counters per parameter name
 FAULT_ENV, FAULT_ONCE_ENV = "SHARDTRAIN_FAULT", "SHARDTRAIN_FAULT_ONCE"
 
 
@@ -417,7 +418,8 @@ def _few(names: list[str]) -> str:
 
 def full_tensors(layout: dict, files: dict[int, dict]) -> tuple[dict, dict, dict]:
     """Whole tensors by parameter name from the ranks' files of a checkpoint written
-    with `layout`: (values, per-element optimizer tensors, other optimizer state)."""
+    with `layout`: (values, per-element optimizer tensors, other optimizer state of the
+    parameters that have any)."""
     values: dict[str, torch.Tensor] = {}
     per_element: dict[str, dict[str, torch.Tensor]] = {}
     scalar: dict[str, dict[str, Any]] = {}
@@ -426,15 +428,24 @@ def full_tensors(layout: dict, files: dict[int, dict]) -> tuple[dict, dict, dict
         ranges = [g["ranges"][r] for r in holders]
         flat = _assemble([files[r]["params"][i] for r in holders], ranges)
         entries = [files[r]["optim"][i] for r in holders]
+        keys = sorted({k for e in entries for k in e["per_element"]})
+        # A rank whose pieces have no state yet (never stepped) holds no entry: zeros.
         opt_flat = {
-            k: _assemble([e["per_element"][k] for e in entries], ranges)
-            for k in entries[0]["per_element"]
+            k: _assemble(
+                [
+                    e["per_element"].get(k, flat.new_zeros(hi - lo))
+                    for e, (lo, hi) in zip(entries, ranges, strict=True)
+                ],
+                ranges,
+            )
+            for k in keys
         }
         for name, shape, offset in zip(g["names"], g["shapes"], g["offsets"], strict=True):
             n = math.prod(shape)
             values[name] = flat[offset : offset + n].view(shape)
             per_element[name] = {k: v[offset : offset + n].view(shape) for k, v in opt_flat.items()}
-            scalar[name] = entries[0]["scalar"]
+        for e in entries:  # a parameter split over ranks: the same counters on each
+            scalar.update(e["scalar"])
     return values, per_element, scalar
 
 
@@ -457,11 +468,7 @@ def recut(saved: dict, files: dict[int, dict], layout: dict, rank: int) -> dict[
         for k in sorted({k for n in names for k in per_element[n]}):
             tensors = {n: per_element[n][k] for n in names if k in per_element[n]}
             per[k] = _lay_out(g, tensors)[lo:hi].clone()
-        # Step counters: those of the first parameter that has state (all are equal).
-        # Copies: the optimizer increments them in place, one per group.
-        steps = next((scalar[n] for n in names if scalar[n]), {})
-        steps = {k: v.clone() if torch.is_tensor(v) else v for k, v in steps.items()}
-        optim.append({"per_element": per, "scalar": steps})
+        optim.append({"per_element": per, "scalar": {n: scalar[n] for n in names if n in scalar}})
     return {"params": params, "optim": optim}
 
 

@@ -65,3 +65,70 @@ def bucketize(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn
     if current:
         buckets.append(current)
     return buckets
+
+
+class ScatterInput:
+    """A flat gradient buffer as the input of a ReduceScatter, (P, S + extra): row r is
+    what rank r receives the sum of, its S gradient elements followed by `extra` control
+    elements that every rank fills alike (e.g. used-flags, [Note: used flags]).
+
+    Without control elements the rows are simply the flat buffer cut in P, and each
+    parameter's slot is one contiguous view. With them, a parameter that crosses a row
+    boundary is written piece by piece (`write`): the control columns sit between its
+    pieces, so no single view of it exists.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        world_size: int,
+        extra: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.layout, self.extra = layout, extra
+        self.shard = layout.shard_size(world_size)  # S
+        # (P, S + extra); every element is written: slots by write/zero, the padding here,
+        # the control columns by whoever fills them. So no memset of the whole buffer.
+        self.rows = torch.empty(world_size, self.shard + extra, dtype=dtype, device=device)
+        self.control = self.rows[:, self.shard :]  # (P, extra)
+        self._flat = self.rows.view(-1) if not extra else None  # (P*S,) when contiguous
+        self._zero_padding()
+
+    def _zero_padding(self) -> None:
+        last = self.layout.padded_numel - self.layout.numel  # padding at the very end
+        if last:
+            for start, stop, row, col in self._segments(self.layout.numel, last):
+                self.rows[row, col : col + (stop - start)].zero_()
+
+    def _segments(self, offset: int, numel: int):
+        """(start, stop) ranges of a slot of `numel` elements at flat `offset`, with the row
+        and column each range begins at."""
+        s, pos, end = self.shard, offset, offset + numel
+        while pos < end:
+            row, col = divmod(pos, s)
+            stop = min(end, (row + 1) * s)
+            yield pos - offset, stop - offset, row, col
+            pos = stop
+
+    def write(self, i: int, grad: torch.Tensor) -> None:
+        """Copy parameter i's gradient into its slot (casting to the buffer's dtype)."""
+        o, n = self.layout.offsets[i], self.layout.shapes[i].numel()
+        src = grad.reshape(-1)
+        if self._flat is not None:
+            self._flat[o : o + n].copy_(src)
+            return
+        for a, b, row, col in self._segments(o, n):
+            self.rows[row, col : col + (b - a)].copy_(src[a:b])
+
+    def zero(self, i: int) -> None:
+        o, n = self.layout.offsets[i], self.layout.shapes[i].numel()
+        if self._flat is not None:
+            self._flat[o : o + n].zero_()
+            return
+        for a, b, row, col in self._segments(o, n):
+            self.rows[row, col : col + (b - a)].zero_()
+
+    @property
+    def input(self) -> torch.Tensor:  # (P * (S + extra),)
+        return self.rows.view(-1)

@@ -171,20 +171,14 @@ class GradAccumulator:
         p.grad = None
 
     @torch.no_grad()
-    def take(self, p: torch.nn.Parameter, out: torch.Tensor) -> bool:
-        """Write `p`'s whole gradient (the running sum plus `p.grad`) into `out` and drop
-        both; False when there is none."""
+    def take(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """`p`'s whole gradient (the running sum plus `p.grad`), dropping both; None when
+        there is none."""
         total = self._sums.pop(id(p), None)
-        if p.grad is not None:
-            out.copy_(p.grad)
-            p.grad = None
-            if total is not None:
-                out.add_(total)
-        elif total is not None:
-            out.copy_(total)
-        else:
-            return False
-        return True
+        grad, p.grad = p.grad, None
+        if total is None:
+            return grad
+        return total if grad is None else total.add_(grad)
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self._sums.values())

@@ -17,15 +17,10 @@ AllReduce the fp32 master of every parameter gets its slice of the bucket (or of
 copy of it) as `.grad`; the optimizer steps the masters and the module's parameters are
 cast from them.
 
-[Note: unused parameters]
-A parameter that takes no part in the forward on some rank gets no gradient there; its
-slot in the bucket stays zero and the bucket is still reduced (the ranks' collectives
-must match). If no rank used it, torch DDP leaves its `.grad` None, so the optimizer
-skips it: AdamW neither decays it nor moves it with stale moments. Here too: the last
-bucket carries one extra element per parameter, 1 where this rank produced a gradient
-since the last step, and after its AllReduce a parameter whose element is 0 everywhere
-gets `.grad = None` until the next step. No extra collective is needed: the last
-bucket is launched after every other one, when each parameter's use is known.
+Parameters no rank used get no gradient, as in torch DDP: the last bucket carries one
+used-flag per parameter ([Note: used flags] in used.py). The end of backward (waiting for
+every bucket, launching those still pending) runs from autograd's end-of-backward
+callback ([Note: end of backward] in engine.py), so a plain `loss.backward()` works.
 """
 
 from __future__ import annotations
@@ -44,6 +39,8 @@ from trainer.parallel.engine import (
     ShardGroup,
     param_groups,
 )
+from trainer.parallel.pieces import Piece
+from trainer.parallel.used import UsedFlags
 from trainer.precision import LossScaler, Precision
 
 
@@ -55,7 +52,7 @@ class _Bucket:
         self.params = list(params)
         self.layout = FlatLayout.of(self.params)
         p0 = self.params[0]
-        # (numel + extra,): the gradients, then `extra` flags ([Note: unused parameters])
+        # (numel + extra,): the gradients, then `extra` flags ([Note: used flags])
         self.buffer = torch.zeros(self.layout.numel + extra, dtype=dtype, device=p0.device)
         self.grad = self.buffer[: self.layout.numel]
         self.views = self.layout.views(self.grad)
@@ -86,11 +83,10 @@ class DDPEngine(Engine):
             _Bucket(i, ps, mp.reduce_dtype, len(params) if i == len(grouped) - 1 else 0)
             for i, ps in enumerate(grouped)
         ]
-        # [Note: unused parameters]: this rank's use of each parameter, in the last bucket
+        # [Note: used flags]: this rank's use of each parameter, in the last bucket
         self._flags = self.buckets[-1].buffer[self.buckets[-1].layout.numel :]  # (n,)
-        self._index = {id(p): i for i, p in enumerate(params)}
-        self._used: set[int] = set()  # parameters with a gradient since the last sync
-        self._skipped: list[int] = []  # indices whose .grad is None until the next step
+        self._used = UsedFlags(params)
+        self._skipped: set[int] = set()  # positions whose .grad is None until the next step
         if mp.mixed:  # fp32 masters from the fp32 values, then the module is cast
             for b in self.buckets:
                 b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
@@ -116,6 +112,7 @@ class DDPEngine(Engine):
 
     def _hook(self, bucket: _Bucket, view: torch.Tensor):
         def on_grad_ready(p: torch.Tensor) -> None:
+            self._begin_backward()
             if not self._views:
                 view.add_(p.grad)  # casts to the bucket's dtype; accumulates under no_sync
                 p.grad = None
@@ -123,7 +120,7 @@ class DDPEngine(Engine):
                 # Someone replaced .grad (e.g. set it to None): put it back into the bucket.
                 view.copy_(p.grad)
                 p.grad = view
-            self._used.add(id(p))
+            self._used.mark(p)
             if not self._sync:
                 return
             if id(p) in self._ready:
@@ -143,18 +140,17 @@ class DDPEngine(Engine):
             if b.pending and not force:
                 return
             if b is self.buckets[-1]:  # every parameter's use is known by now
-                self._flags.zero_()
-                self._flags[[self._index[i] for i in self._used]] = 1
+                self._used.fill(self._flags)
             b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}")
             self._next += 1
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def _finish_backward(self) -> None:
         if not self._sync:
             return
-        # Buckets still pending hold parameters that got no gradient this step (their
-        # slots are zero, or hold gradients accumulated under no_sync): reduce them too,
-        # in order, so that every rank issues the same collectives.
+        # Buckets still pending hold parameters that got no gradient in this backward
+        # (their slots hold zeros, or gradients of earlier backwards and no_sync
+        # micro-batches): reduce them too, in order, so every rank issues the same
+        # collectives.
         self._launch_ready(force=True)
         for b in self.buckets:
             b.handle.wait()
@@ -164,14 +160,10 @@ class DDPEngine(Engine):
                 g = b.grad if b.grad.dtype == torch.float32 else b.grad.float()
                 for m, v in zip(b.masters, b.layout.views(g), strict=True):
                     m.grad = v
-        # Used by no rank: no gradient, as torch DDP ([Note: unused parameters]). When this
-        # rank used every parameter there is none: the flags need not be read (on GPU,
-        # reading them would wait for the device).
-        if len(self._used) < len(self._index):
-            self._skipped = (self._flags == 0).nonzero().flatten().tolist()
+        # Used by no rank since the last step: no gradient, as torch DDP.
+        self._skipped = self._used.unused_everywhere(self._flags)
         for i in self._skipped:
             self._masters[i][1].grad = None
-        self._used.clear()
         self._ready.clear()
         self._next = 0
 
@@ -204,7 +196,8 @@ class DDPEngine(Engine):
             for i in self._skipped:
                 p = self._masters[i][0]
                 p.grad = self._view_of[id(p)]
-        self._skipped = []
+        self._skipped = set()
+        self._used.clear()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         state = super().state_tensors()
@@ -219,6 +212,12 @@ class DDPEngine(Engine):
         # Every rank holds every parameter whole: one unsharded group per parameter, its
         # values being the fp32 master the optimizer steps.
         return [
-            ShardGroup([self._names[id(p)]], FlatLayout.of([p]), m, m, False)
-            for p, m in self._masters
+            ShardGroup(
+                [name := self._names[id(p)]],
+                FlatLayout.of([p]),
+                m,
+                [Piece(name, i, 0, m.numel(), m)],
+                False,
+            )
+            for i, (p, m) in enumerate(self._masters)
         ]

@@ -2,13 +2,22 @@
 
     engine = build_engine(model, mode="ddp", optimizer=partial(AdamW, lr=1e-3))
     loss = loss_fn(engine(x), y)
-    engine.backward(loss)
+    loss.backward()        # or engine.backward(loss): needed for fp16's loss scaling
     engine.step()          # False when fp16 loss scaling skipped the step
 
 Each mode subclasses `Engine` in its own file and decides where gradients live, when
-they are communicated and what the optimizer sees (`_backward`, `_step`). What is the
-same for every mode lives here: casting inputs and outputs for mixed precision, loss
-scaling, clipping by the global norm, the full state_dict and checkpoint state.
+they are communicated and what the optimizer sees (`_finish_backward`, `_step`). What is
+the same for every mode lives here: the end-of-backward callback, casting inputs and
+outputs for mixed precision, loss scaling, clipping by the global norm, buffers that
+follow rank 0, the full state_dict and checkpoint state.
+
+[Note: end of backward]
+Users call `loss.backward()`, as with torch DDP and FSDP2, not a method of ours. The
+first gradient hook of each backward pass queues `_end_backward` with autograd's
+execution engine (`queue_callback`, what DDP and FSDP2 use); autograd runs it once the
+whole backward pass is done, before `backward()` returns. There each mode waits for its
+last collectives, reduces what got no gradient and hands gradients to the optimizer.
+Several backwards before one step each run it, and their gradients add up.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ import torch
 from torch import nn
 
 from trainer import comm
+from trainer.errors import ConfigError
 from trainer.flat import FlatLayout
+from trainer.parallel.pieces import Piece
 from trainer.precision import LossScaler, Precision, cast_module
 
 # Called with the tensors to step: a list of tensors, or of param-group dicts.
@@ -77,8 +88,11 @@ class Engine:
         # Ranks may have built the model with different seeds: rank 0's values win.
         broadcast_tensors(list(module.parameters()) + list(module.buffers()))
         self._buffers = [b for b in module.buffers()]
+        self._buffers_changed = False  # a training forward ran since the last broadcast
         self._sync = True
         self._found_inf: bool | None = None  # set when the gradients have been unscaled
+        self._in_backward = False  # [Note: end of backward]: the callback is queued
+        self._scaling = False  # inside engine.backward(), which scales the loss
         self._frozen: dict[int, torch.Tensor] = {}  # fp32 values of frozen params, if cast
 
     def _cast_module(self) -> None:
@@ -99,9 +113,12 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.module.training:
-            # As torch DDP's broadcast_buffers: running statistics follow rank 0.
+        if self.module.training or self._buffers_changed:
+            # As torch DDP's broadcast_buffers: running statistics follow rank 0 before
+            # every training forward and before the first other forward after one (an
+            # eval right after training), since a training forward updates them.
             self._broadcast_buffers()
+        self._buffers_changed = self.module.training
         cast_in = self.precision.cast_in
         out = self.module(*cast_in(args), **cast_in(kwargs))
         return self.precision.cast_out(out)
@@ -112,9 +129,33 @@ class Engine:
 
     # -- backward and step ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (scaled in fp16) with the mode's gradient communication."""
+        """`loss.backward()`, with the loss scaled first in fp16 ([Note: dynamic loss
+        scaling]); in fp32 and bf16 the same as calling `loss.backward()` directly."""
+        self._scaling = True
+        try:
+            self.scaler.scale_loss(loss).backward()
+        finally:
+            self._scaling = False
+
+    def _begin_backward(self) -> None:
+        """Called by every gradient hook of the modes; the first one of a backward pass
+        queues `_end_backward` ([Note: end of backward])."""
+        if self._in_backward:
+            return
+        if self.scaler.enabled and not self._scaling:
+            # Raised before this backward communicated anything, on every rank alike.
+            self.zero_grad()
+            raise ConfigError(
+                "precision=fp16 needs engine.backward(loss), which scales the loss: a plain "
+                "loss.backward() would let small fp16 gradients underflow to zero"
+            )
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
         self._found_inf = None  # new gradients: not unscaled yet
-        self._backward(self.scaler.scale_loss(loss))
+        self._finish_backward()
 
     def step(self) -> bool:
         """Update the parameters; False when fp16 gradients overflowed on some rank and
@@ -150,7 +191,9 @@ class Engine:
         return next(self.module.parameters()).device
 
     # -- what every mode implements -----------------------------------------------------
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _finish_backward(self) -> None:
+        """The end of a backward pass ([Note: end of backward]): the mode's last
+        collectives, waited for; gradients handed to what the optimizer steps."""
         raise NotImplementedError
 
     def _step(self) -> None:
@@ -196,12 +239,12 @@ class Engine:
         """
         params = list(self.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        opt = getattr(self, "optimizer", None)
+        opt = self.optimizer
         return {
             "params": params,
             "master": list(self._frozen.values()),
             "grads": grads,
-            "optimizer": optimizer_state_tensors(opt) if opt is not None else [],
+            "optimizer": optimizer_state_tensors(opt),
             "comm": [],
         }
 
@@ -303,7 +346,7 @@ class Engine:
         for g in groups:
             held = g.sharded or self.rank == 0
             params.append(g.local.detach().reshape(-1).cpu().clone() if held else None)
-            optim.append(_optimizer_entry(opt.state.get(g.param, {}), g.param) if held else None)
+            optim.append(_optimizer_entry(opt.state, g) if held else None)
         layout = self.shard_layout()
         module = self.module.state_dict(keep_vars=True)
         whole = [k for k, name in layout["keys"] if name is None]
@@ -327,14 +370,21 @@ class Engine:
             g.local.copy_(values.view_as(g.local))
         index = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
         target = opt.state_dict()
-        target["state"] = {
-            index[id(g.param)]: {
-                **entry["scalar"],
-                **{k: v.view_as(g.param) for k, v in entry["per_element"].items()},
-            }
-            for g, entry in zip(groups, state["optim"], strict=True)
-            if entry["scalar"] or entry["per_element"]
-        }
+        target["state"] = {}
+        for g, entry in zip(groups, state["optim"], strict=True):
+            for piece in g.pieces:
+                scalar = entry["scalar"].get(piece.name)
+                if scalar is None:  # never stepped: no state
+                    continue
+                t = piece.tensor
+                target["state"][index[id(t)]] = {
+                    # copies: the optimizer increments step counters in place, one each
+                    **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalar.items()},
+                    **{
+                        k: v[piece.start : piece.end].view_as(t)
+                        for k, v in entry["per_element"].items()
+                    },
+                }
         saved = state["optim_hparams"]
         same = len(saved) == len(target["param_groups"])
         for i, pg in enumerate(target["param_groups"]):
@@ -358,19 +408,27 @@ class ShardGroup:
     names: list[str]  # parameter names (module.named_parameters()) in flat order
     layout: FlatLayout  # shapes and offsets in the flat buffer, padded size
     local: torch.Tensor  # this rank's values: the whole buffer, or its slice [r*S, (r+1)*S)
-    param: torch.Tensor  # the tensor the optimizer steps for it (its key in optimizer.state)
+    pieces: list[Piece]  # what the optimizer steps of it, with their ranges in `local`
     sharded: bool  # True: rank r holds slice r; False: every rank holds all of it
 
 
-def _optimizer_entry(state: dict[str, Any], param: torch.Tensor) -> dict[str, dict[str, Any]]:
-    """Optimizer state of one group: tensors shaped like the parameter (exp_avg,
-    momentum_buffer, ...) as 1-D CPU copies, and the rest (step counters) as they are."""
-    per_element, scalar = {}, {}
-    for k, v in state.items():
-        if torch.is_tensor(v) and v.shape == param.shape and k != "step":
-            per_element[k] = v.detach().reshape(-1).cpu().clone()
-        else:
-            scalar[k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+def _optimizer_entry(state: dict[Any, dict[str, Any]], g: ShardGroup) -> dict[str, dict]:
+    """Optimizer state of one group: tensors shaped like their piece (exp_avg,
+    momentum_buffer, ...) laid out 1-D like `local` (zero where no piece has state), and
+    the rest (step counters) per parameter name."""
+    per_element: dict[str, torch.Tensor] = {}
+    scalar: dict[str, dict[str, Any]] = {}
+    for piece in g.pieces:
+        st = state.get(piece.tensor)
+        if not st:
+            continue
+        scalar[piece.name] = {}
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.shape == piece.tensor.shape and k != "step":
+                flat = per_element.setdefault(k, v.new_zeros(g.local.numel(), device="cpu"))
+                flat[piece.start : piece.end] = v.detach().reshape(-1).cpu()
+            else:
+                scalar[piece.name][k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
     return {"per_element": per_element, "scalar": scalar}
 
 

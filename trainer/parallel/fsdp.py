@@ -4,7 +4,8 @@ optimizer state; a unit's full parameters exist only while it runs.
 The model is cut into units (one per transformer block / residual block / large
 submodule, see units.py); the root unit holds what is left. Each unit's parameters are
 laid end to end in one flat buffer, padded to a multiple of P (flat.py), and rank r keeps
-only its slice [r*S, (r+1)*S) as an `nn.Parameter`: the optimizer steps those shards.
+only its slice [r*S, (r+1)*S); the optimizer steps one piece of it per parameter
+([Note: per-parameter optimizer tensors] in pieces.py).
 
     forward of unit i:   AllGather(unit i) -> compute -> free (reshard_after_forward)
                          the AllGather of unit i+1 is already in flight meanwhile
@@ -36,9 +37,12 @@ AllGather sends the shard cast to it (half the bytes of fp32 for bf16), as FSDP'
 MixedPrecisionPolicy does. Gradients are ReduceScattered in `reduce_dtype` and kept in
 fp32 as the shard's `.grad`.
 
-Use `engine(x)`, `engine.backward(loss)` (not `loss.backward()`: it finishes the step's
-communication) and `engine.full_state_dict()` (a collective). Between steps the module's
-parameters are empty tensors: count them before building the engine.
+The end of backward (units that got no gradient, the root unit's ReduceScatter, which
+carries the used-flags of [Note: used flags] in used.py, and the waits) runs from
+autograd's end-of-backward callback, so a plain `loss.backward()` works
+([Note: end of backward] in engine.py). `engine.full_state_dict()` is a collective.
+Between steps the module's parameters are empty tensors: count them before building the
+engine.
 
 [Note: parameters as views of one storage]
 Module parameters stay registered (the same objects autograd knows as leaves) with their
@@ -76,7 +80,8 @@ from torch.utils._pytree import tree_leaves
 
 from trainer import comm
 from trainer.errors import ConfigError
-from trainer.flat import FlatLayout
+from trainer.flat import FlatLayout, ScatterInput
+from trainer.parallel import pieces
 from trainer.parallel.engine import (
     Engine,
     OptimizerFactory,
@@ -87,6 +92,7 @@ from trainer.parallel.engine import (
     split_by_options,
 )
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
+from trainer.parallel.used import UsedFlags
 from trainer.precision import GradAccumulator, LossScaler, Precision
 
 
@@ -97,12 +103,14 @@ def _recomputing() -> bool:
 
 class _Flat:
     """One flat buffer of a unit: its parameters of one optimizer param group, padded to a
-    multiple of P; this rank keeps slice r as `shard` (fp32), the optimizer's tensor."""
+    multiple of P; this rank keeps slice r as `shard` (fp32), which the optimizer steps
+    piece by piece."""
 
     def __init__(
         self,
         tag: str,
         pairs: list[tuple[str, nn.Parameter]],
+        flags: list[int],
         options: dict[str, Any],
         world_size: int,
         rank: int,
@@ -112,11 +120,15 @@ class _Flat:
         self.names = [n for n, _ in pairs]
         self.params = [p for _, p in pairs]
         self.layout = FlatLayout.of(self.params, world_size)
+        self.world_size = world_size
         like = self.params[0]
         n, s = self.layout.padded_numel, self.layout.shard_size(world_size)
         self.full = torch.zeros(n, dtype=like.dtype, device=like.device)  # (P*S,)
         self.layout.copy_in(self.full, [p.detach() for p in self.params])
-        self.shard = nn.Parameter(self.full[rank * s : (rank + 1) * s].clone())  # (S,)
+        self.shard = self.full[rank * s : (rank + 1) * s].clone()  # (S,)
+        self.pieces = pieces.cut(self.names, flags, self.layout, self.shard, rank)
+        self.shard_grad: torch.Tensor | None = None  # (S,) fp32, the pieces' gradients
+        self.extra = 0  # control elements of its ReduceScatter (the root's used-flags)
         if mp.mixed:  # the shard above is the fp32 master; compute in param_dtype
             self.full = self.full.to(mp.param_dtype)
         self.nbytes = self.full.untyped_storage().nbytes()
@@ -142,6 +154,7 @@ class _Unit:
         self,
         tag: str,
         plan: UnitPlan,
+        used: UsedFlags,
         world_size: int,
         rank: int,
         mp: Precision,
@@ -154,7 +167,15 @@ class _Unit:
             raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {names}")
         groups = split_by_options(plan.params, param_options)
         self.flats = [
-            _Flat(tag if i == 0 else f"{tag}.{i}", pairs, opts, world_size, rank, mp)
+            _Flat(
+                tag if i == 0 else f"{tag}.{i}",
+                pairs,
+                [used.index[id(p)] for _, p in pairs],
+                opts,
+                world_size,
+                rank,
+                mp,
+            )
             for i, (opts, pairs) in enumerate(groups)
         ]
         self.ready = 0  # parameters whose gradient arrived in this backward
@@ -189,24 +210,35 @@ class FSDPEngine(Engine):
         for plan in plans:  # frozen parameters stay whole on every rank, like buffers
             plan.params = [(n, p) for n, p in plan.params if p.requires_grad]
         tags = ["root"] + [f"unit{i}" for i in range(len(plans) - 1)]
+        self._used = UsedFlags([p for u in plans for _, p in u.params])  # [Note: used flags]
         self.units = [
-            _Unit(t, u, self.world_size, self.rank, self.precision, param_options)
+            _Unit(t, u, self._used, self.world_size, self.rank, self.precision, param_options)
             for t, u in zip(tags, plans, strict=True)
         ]
         if self.precision.mixed:  # buffers (parameters already point at cast buffers)
             self._cast_module()
         self.root = self.units[0]
+        # The root is reduced last, from the end-of-backward callback; its first flat
+        # buffer carries the used-flags (a root without trainable parameters sends them
+        # in one small AllReduce of their own).
+        if self.root.flats:
+            self.root.flats[0].extra = len(self._used)
+        self._flags: torch.Tensor | None = None  # reduced used-flags of this step
         self._order = self.units[1:]  # forward order: registration order until recorded
         self._recording: list[_Unit] = []
-        self._reducing: list[tuple[_Flat, comm.Handle, torch.Tensor, torch.Tensor]] = []
+        self._reducing: list[tuple[_Flat, comm.Handle, torch.Tensor, ScatterInput]] = []
         self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             for p in u.params:
-                p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u))
+                p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p))
         flats = [f for u in self.units for f in u.flats]
-        self.optimizer = optimizer(param_groups((f.options, f.shard) for f in flats))
+        self.optimizer = optimizer(
+            param_groups(
+                (f.options, t) for f in flats for t in pieces.optimizer_tensors(f.pieces, f.shard)
+            )
+        )
 
     # -- unshard / reshard ---------------------------------------------------------------
     def _unshard(self, u: _Unit) -> None:
@@ -291,6 +323,7 @@ class FSDPEngine(Engine):
 
     # -- backward --------------------------------------------------------------------------
     def _pre_backward(self, u: _Unit) -> None:
+        self._begin_backward()
         comm.record("backward_begin", u.tag)
         self._unshard(u)
         prev = self._next_backward(u)
@@ -298,9 +331,12 @@ class FSDPEngine(Engine):
             self._unshard(prev)  # prefetch: in flight while `u` computes its backward
         self._wait(u)
 
-    def _on_grad(self, u: _Unit) -> None:
+    def _on_grad(self, u: _Unit, p: nn.Parameter) -> None:
+        self._begin_backward()
+        self._used.mark(p)
         u.ready += 1
-        if u.ready == len(u.params) and not u.done:
+        # The root is reduced from the end-of-backward callback, last.
+        if u.ready == len(u.params) and not u.done and u is not self.root:
             self._grads_done(u)
 
     def _grads_done(self, u: _Unit) -> None:
@@ -318,39 +354,55 @@ class FSDPEngine(Engine):
             return
         self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
         for f in u.flats:
-            flat = torch.empty_like(f.full, dtype=f.reduce_dtype)  # (P*S,) all written below
-            flat[f.layout.numel :].zero_()  # padding
-            for view, p in zip(f.layout.views(flat), f.params, strict=True):
-                if not self._sums.take(p, view):
-                    view.zero_()
-            out = torch.empty_like(f.shard, dtype=f.reduce_dtype)  # (S,)
-            handle = comm.reduce_scatter(out, flat, average=True, tag=f.tag)
+            flat = ScatterInput(f.layout, f.world_size, f.extra, f.reduce_dtype, f.full.device)
+            for i, p in enumerate(f.params):
+                g = self._sums.take(p)
+                flat.zero(i) if g is None else flat.write(i, g)
+            if f.extra:
+                self._used.fill(flat.control)
+            out = torch.empty(flat.shard + f.extra, dtype=f.reduce_dtype, device=f.full.device)
+            handle = comm.reduce_scatter(out, flat.input, average=True, tag=f.tag)
             self._reducing.append((f, handle, out, flat))
         # Earlier ReduceScatters ran while this unit computed: finish them, free their input.
         while len(self._reducing) > len(u.flats):
             self._finish_reduce()
 
     def _finish_reduce(self) -> None:
-        f, handle, out, _ = self._reducing.pop(0)
+        f, handle, out, flat = self._reducing.pop(0)
         handle.wait()
-        out = out.float()  # the shard's dtype; no copy when already fp32
-        if f.shard.grad is None:
-            f.shard.grad = out
-        else:
-            f.shard.grad.add_(out)
+        if f.extra:
+            self._flags = out[flat.shard :]
+        reduced = out[: flat.shard].float()  # the shard's dtype; no copy when already fp32
+        if f.shard_grad is None:
+            f.shard_grad = reduced
+        else:  # several synced backwards before a step accumulate, as in torch
+            f.shard_grad.add_(reduced)
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def _finish_backward(self) -> None:
         # Units that missed a gradient (a parameter unused this step, a unit that did not
-        # run) are handled here, in unit order, so every rank issues the same collectives.
-        for u in self.units:
+        # run) and the root are handled here, in unit order, the root last, so every rank
+        # issues the same collectives.
+        for u in self.units[1:] + [self.root]:
             if not u.done:
                 self._grads_done(u)
         while self._reducing:
             self._finish_reduce()
+        if self._sync:
+            if not self.root.flats and self.world_size > 1:  # no root buffer to ride on
+                self._flags = self._flags_alone()
+            unused = self._used.unused_everywhere(self._flags)
+            for f in self._flats():
+                pieces.hand_out(f.pieces, f.shard_grad, unused)
+            self._flags = None
         for u in self.units:
             self._reshard(u)  # prefetched but unused units too
             u.ready, u.done = 0, False
+
+    def _flags_alone(self) -> torch.Tensor:
+        flags = torch.empty(len(self._used), device=self._device())
+        self._used.fill(flags)
+        comm.all_reduce(flags, tag="used_flags", account=False).wait()
+        return flags
 
     def _step(self) -> None:
         self.optimizer.step()
@@ -360,16 +412,19 @@ class FSDPEngine(Engine):
         return [f for u in self.units for f in u.flats]
 
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        # This rank's (S,) slice of each flat buffer's averaged gradient; padding is zero.
-        return [f.shard.grad for f in self._flats() if f.shard.grad is not None], True
+        # This rank's (S,) slice of each flat buffer's averaged gradient; padding is zero,
+        # and so are the slots of parameters that no rank used.
+        return [f.shard_grad for f in self._flats() if f.shard_grad is not None], True
 
     def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
         for u in self.units:
             for f in u.flats:
-                f.shard.grad = None
+                f.shard_grad = None
             for p in u.params:  # full gradients kept by no_sync
                 p.grad = None
         self._sums.clear()
+        self._used.clear()
 
     # -- state -----------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -380,13 +435,13 @@ class FSDPEngine(Engine):
             "params": [f.shard for f in flats]
             + [f.full for f in flats if f.is_full]
             + [p for p in self.module.parameters() if not p.requires_grad],
-            "grads": [f.shard.grad for f in flats if f.shard.grad is not None]
+            "grads": [f.shard_grad for f in flats if f.shard_grad is not None]
             + module_grads
             + self._sums.tensors(),
             "optimizer": optimizer_state_tensors(self.optimizer),
-            "comm": [t for r in self._reducing for t in r[2:]],
+            "comm": [t for _, _, out, flat in self._reducing for t in (out, flat.rows)],
         }
 
     def shard_groups(self) -> list[ShardGroup]:
-        # Rank r's slice of each flat buffer, the very tensor the optimizer steps.
-        return [ShardGroup(f.names, f.layout, f.shard, f.shard, True) for f in self._flats()]
+        # Rank r's slice of each flat buffer; the optimizer steps its pieces.
+        return [ShardGroup(f.names, f.layout, f.shard, f.pieces, True) for f in self._flats()]

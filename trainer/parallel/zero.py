@@ -12,11 +12,14 @@ One training step:
     backward   a post-accumulate-grad hook copies each gradient into its bucket's flat
                gradient buffer and drops the autograd `.grad`. A complete bucket is
                ReduceScattered (averaged) at once, overlapping the rest of backward;
-               each rank keeps the (S,) mean of its slice as its shard's `.grad` and
+               each rank keeps the (S,) mean of its slice as its shard's gradient and
                the full (padded,) bucket buffer is freed. [Note: bounded buckets]
-    step       the optimizer updates the shards in place, i.e. this rank's slice of the
-               flat parameter buffers; an in-place AllGather per bucket then brings
-               every rank's updated slice into the full parameters.
+               The last bucket is launched from the end-of-backward callback and
+               carries the used-flags ([Note: used flags] in used.py).
+    step       the optimizer updates this rank's slice of the flat parameter buffers in
+               place, one piece per parameter ([Note: per-parameter optimizer tensors]
+               in pieces.py); an in-place AllGather per bucket then brings every
+               rank's updated slice into the full parameters.
 
 Model-state memory per rank with fp32 AdamW: 4Ψ (params) + 4Ψ/P (grads) + 8Ψ/P
 (optimizer) bytes, plus at most `_MAX_IN_FLIGHT + 1` full bucket buffers during backward
@@ -30,16 +33,15 @@ and the AllGather moves `param_dtype` (half the bytes of fp32). Gradient buckets
 ReduceScatter use `reduce_dtype`; the result is kept in fp32 as the master's `.grad`.
 
 Build the engine after moving the model to its device: `.to()` would replace the views.
-Every bucket's shard is one tensor to the optimizer, so parameters with different
-optimizer options (`param_options`, e.g. no weight decay for biases and norms) are bucketed
-apart; each bucket's shard joins the param group of its parameters.
+Parameters with different optimizer options (`param_options`, e.g. no weight decay for
+biases and norms) are bucketed apart, so that a bucket's pieces share one param group.
 
 [Note: bounded buckets]
 ZeRO-2 that keeps every full bucket until backward ends peaks at a full gradient copy and
 saves nothing. Launching bucket i therefore first finishes (waits for and frees) the
 oldest bucket if more than `_MAX_IN_FLIGHT` are in flight: a double buffer, so backward
 blocks only when communication falls two buckets behind. The remaining buckets are
-finished in one place, `backward()`, after autograd returns.
+finished in one place, the end-of-backward callback.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ import torch
 from torch import nn
 
 from trainer import comm
-from trainer.flat import FlatLayout, bucketize
+from trainer.flat import FlatLayout, ScatterInput, bucketize
+from trainer.parallel import pieces
 from trainer.parallel.engine import (
     Engine,
     OptimizerFactory,
@@ -61,6 +64,7 @@ from trainer.parallel.engine import (
     param_groups,
     split_by_options,
 )
+from trainer.parallel.used import UsedFlags
 from trainer.precision import GradAccumulator, LossScaler, Precision
 
 _MAX_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
@@ -70,7 +74,8 @@ class _Bucket:
     def __init__(
         self,
         index: int,
-        params: Sequence[nn.Parameter],
+        named: Sequence[tuple[str, nn.Parameter]],
+        flags: Sequence[int],
         world_size: int,
         rank: int,
         precision: Precision,
@@ -78,7 +83,8 @@ class _Bucket:
     ):
         self.index = index
         self.options = options  # optimizer options of every parameter in it
-        self.params = list(params)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.layout = FlatLayout.of(self.params, world_size)
         p0 = self.params[0]
         # (padded,) the full parameters; zero padding at the end.
@@ -86,32 +92,38 @@ class _Bucket:
         with torch.no_grad():
             self.layout.copy_in(self.flat, self.params)
         n = self.layout.shard_size(world_size)
-        if precision.mixed:  # an fp32 master of this rank's slice, then the buffer is cast
-            self.shard = nn.Parameter(self.flat[rank * n : (rank + 1) * n].float().clone())
+        # (S,) the values the optimizer steps: an fp32 master of this rank's slice when
+        # mixed (then the buffer is cast), else the slice itself (no extra copy).
+        self.shard = self.flat[rank * n : (rank + 1) * n]
+        if precision.mixed:
+            self.shard = self.shard.float().clone()
             self.flat = self.flat.to(precision.param_dtype)
         for p, view in zip(self.params, self.layout.views(self.flat), strict=True):
             p.data = view  # the AllGather after the step writes the parameters in place
         self.shard_data = self.flat[rank * n : (rank + 1) * n]  # (S,) this rank's slice
-        if not precision.mixed:
-            # The optimizer's view of the slice: same storage, no extra copy of the params.
-            self.shard = nn.Parameter(self.shard_data)
+        self.pieces = pieces.cut(self.names, flags, self.layout, self.shard, rank)
         self.reduce_dtype = precision.reduce_dtype
+        self.world_size = world_size
         self.slot = {id(p): i for i, p in enumerate(self.params)}
-        self.grad: torch.Tensor | None = None  # (padded,) filled during backward, then freed
-        self.reduced: torch.Tensor | None = None  # (S,) ReduceScatter output in flight
+        self.grad: ScatterInput | None = None  # (P, S + extra) filled in backward, then freed
+        self.extra = 0  # control elements each row carries (the last bucket's used-flags)
+        self.reduced: torch.Tensor | None = None  # (S + extra,) ReduceScatter output
+        self.shard_grad: torch.Tensor | None = None  # (S,) fp32, the pieces' gradients
         self.handle: comm.Handle | None = None
         self.pending = len(self.params)
 
-    def grad_slot(self, p: nn.Parameter) -> torch.Tensor:
-        """`p`'s place in the flat gradient buffer (allocated on first use), shaped like p."""
+    def write_grad(self, p: nn.Parameter, grad: torch.Tensor | None) -> None:
+        """`p`'s gradient (or zeros) into its slot of the flat gradient buffer."""
         if self.grad is None:
-            # Slots are all written (a gradient, or zeros in _launch_ready when a parameter
-            # got none): only the padding is zeroed here, so no memset of the whole buffer.
-            self.grad = torch.empty_like(self.flat, dtype=self.reduce_dtype)
-            self.grad[self.layout.numel :].zero_()
-        i = self.slot[id(p)]
-        o = self.layout.offsets[i]
-        return self.grad[o : o + p.numel()].view_as(p)
+            # Slots are all written (a gradient, or zeros for a parameter that got none):
+            # only the padding is zeroed, so no memset of the whole buffer.
+            self.grad = ScatterInput(
+                self.layout, self.world_size, self.extra, self.reduce_dtype, self.flat.device
+            )
+        if grad is None:
+            self.grad.zero(self.slot[id(p)])
+        else:
+            self.grad.write(self.slot[id(p)], grad)
 
 
 class ZeroEngine(Engine):
@@ -130,7 +142,8 @@ class ZeroEngine(Engine):
         super().__init__(module, precision, scaler)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in named}
-        # Buckets never mix optimizer groups (a shard is one tensor to the optimizer): each
+        self._used = UsedFlags([p for _, p in named])  # [Note: used flags]
+        # Buckets never mix optimizer groups (a bucket's pieces share a param group): each
         # group is bucketed on its own, so a second group's buckets (e.g. no weight decay:
         # biases and norms of every layer) fill, and launch, only as backward ends.
         grouped = [
@@ -139,23 +152,41 @@ class ZeroEngine(Engine):
             for ps in bucketize([p for _, p in pairs], int(bucket_mb * 2**20))
         ]
         self.buckets = [
-            _Bucket(i, ps, self.world_size, self.rank, self.precision, opts)
+            _Bucket(
+                i,
+                [(self._names[id(p)], p) for p in ps],
+                [self._used.index[id(p)] for p in ps],
+                self.world_size,
+                self.rank,
+                self.precision,
+                opts,
+            )
             for i, (opts, ps) in enumerate(grouped)
         ]
+        self.buckets[-1].extra = len(self._used)  # the last bucket carries the flags
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
             self._cast_module()
         self._ready: set[int] = set()
         self._next = 0  # first bucket not yet launched
         self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
+        self._flags: torch.Tensor | None = None  # reduced used-flags of this step
         self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook(b))
-        self.optimizer = optimizer(param_groups((b.options, b.shard) for b in self.buckets))
+        self.optimizer = optimizer(
+            param_groups(
+                (b.options, t)
+                for b in self.buckets
+                for t in pieces.optimizer_tensors(b.pieces, b.shard)
+            )
+        )
 
     # -- backward: gradients into buckets, buckets ReduceScattered into shards -------------
     def _hook(self, bucket: _Bucket):
         def on_grad_ready(p: nn.Parameter) -> None:
+            self._begin_backward()
+            self._used.mark(p)
             if not self._sync:
                 # no_sync: the full gradient accumulates in p.grad (autograd), or in the
                 # reduce dtype when p computes in a lower one
@@ -167,26 +198,31 @@ class ZeroEngine(Engine):
                     "backward; zero reduces each gradient once per backward"
                 )
             self._ready.add(id(p))
-            self._sums.take(p, bucket.grad_slot(p))  # frees autograd's full-size gradient
+            bucket.write_grad(p, self._sums.take(p))  # frees autograd's full-size gradient
             bucket.pending -= 1
             self._launch_ready()
 
         return on_grad_ready
 
     def _launch_ready(self, force: bool = False) -> None:
-        # Strictly in bucket order, so that every rank issues the same collectives.
+        # Strictly in bucket order, so that every rank issues the same collectives. The
+        # last bucket waits for the end of backward, when every parameter's use is known.
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
-            if b.pending and not force:
+            if (b.pending or b is self.buckets[-1]) and not force:
                 return
             for p in b.params:
                 if id(p) not in self._ready:
                     # No gradient in this backward: reduce what no_sync accumulated, or zero.
-                    slot = b.grad_slot(p)
-                    if not self._sums.take(p, slot):
-                        slot.zero_()
-            b.reduced = torch.empty_like(b.shard_data, dtype=b.reduce_dtype)
-            b.handle = comm.reduce_scatter(b.reduced, b.grad, average=True, tag=f"bucket{b.index}")
+                    b.write_grad(p, self._sums.take(p))
+            if b.extra:
+                self._used.fill(b.grad.control)
+            b.reduced = torch.empty(
+                b.grad.shard + b.extra, dtype=b.reduce_dtype, device=b.flat.device
+            )
+            b.handle = comm.reduce_scatter(
+                b.reduced, b.grad.input, average=True, tag=f"bucket{b.index}"
+            )
             self._in_flight.append(b)
             self._next += 1
             if len(self._in_flight) > _MAX_IN_FLIGHT:  # [Note: bounded buckets]
@@ -194,24 +230,29 @@ class ZeroEngine(Engine):
 
     def _finish(self, b: _Bucket) -> None:
         b.handle.wait()
-        reduced = b.reduced.float()  # the masters' dtype; no copy when already fp32
-        if b.shard.grad is None:
-            b.shard.grad = reduced
+        s = b.grad.shard
+        reduced = b.reduced[:s].float()  # the masters' dtype; no copy when already fp32
+        if b.extra:
+            self._flags = b.reduced[s:]
+        if b.shard_grad is None:
+            b.shard_grad = reduced
         else:  # several synced backwards before a step accumulate, as in torch
-            b.shard.grad.add_(reduced)
+            b.shard_grad.add_(reduced)
         # Dropping the handle too: an in-flight op may hold references to its buffers.
         b.grad = b.reduced = b.handle = None
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def _finish_backward(self) -> None:
         if not self._sync:
             return
         # Buckets still pending hold parameters that got no gradient in this backward.
         self._launch_ready(force=True)
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
+        unused = self._used.unused_everywhere(self._flags)
         for b in self.buckets:
+            pieces.hand_out(b.pieces, b.shard_grad, unused)
             b.pending = len(b.params)
+        self._flags = None
         self._ready.clear()
         self._next = 0
 
@@ -246,14 +287,18 @@ class ZeroEngine(Engine):
         comm.wait_all(handles)
 
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        # This rank's (S,) slice of each bucket's averaged gradient; padding is zero.
-        return [b.shard.grad for b in self.buckets if b.shard.grad is not None], True
+        # This rank's (S,) slice of each bucket's averaged gradient; padding is zero, and
+        # so are the slots of parameters that no rank used.
+        return [b.shard_grad for b in self.buckets if b.shard_grad is not None], True
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        for b in self.buckets:
+            b.shard_grad = None
         for p in self.module.parameters():
             p.grad = None  # left by a no_sync backward that was never synced
         self._sums.clear()
+        self._used.clear()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Params are the flat buffers (model params and shards are views of them); grads
@@ -261,8 +306,8 @@ class ZeroEngine(Engine):
         in_buckets = {id(p) for b in self.buckets for p in b.params}
         model = list(self.module.parameters())
         frozen = [p for p in model if id(p) not in in_buckets]
-        shard_grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
-        bucket_grads = [b.grad for b in self.buckets if b.grad is not None]
+        shard_grads = [b.shard_grad for b in self.buckets if b.shard_grad is not None]
+        bucket_grads = [b.grad.rows for b in self.buckets if b.grad is not None]
         local_grads = [p.grad for p in model if p.grad is not None]
         return {
             "params": [b.flat for b in self.buckets] + frozen,
@@ -274,10 +319,5 @@ class ZeroEngine(Engine):
         }
 
     def shard_groups(self) -> list[ShardGroup]:
-        # Rank r's slice of each bucket; the optimizer steps it as `b.shard`.
-        return [
-            ShardGroup(
-                [self._names[id(p)] for p in b.params], b.layout, b.shard.data, b.shard, True
-            )
-            for b in self.buckets
-        ]
+        # Rank r's slice of each bucket; the optimizer steps its pieces.
+        return [ShardGroup(b.names, b.layout, b.shard, b.pieces, True) for b in self.buckets]

@@ -1,0 +1,66 @@
+"""What the optimizer steps in zero and fsdp: one piece per parameter of each flat shard.
+
+[Note: per-parameter optimizer tensors]
+zero and fsdp keep this rank's part of the model as slice r of flat buffers (a bucket, a
+unit). The optimizer does not step that slice as one tensor: it steps one view of it per
+parameter that reaches into it (`Piece`), as FSDP2's per-parameter sharding and FSDP's
+`use_orig_params` do. That costs a few more tensors in the optimizer's foreach loop and
+buys torch's per-parameter semantics exactly:
+- a parameter that no rank used in a step ([Note: used flags] in used.py) gets
+  `.grad = None` on every piece of it: its values and optimizer state stay as they are,
+  where a flat shard with a zero gradient would decay it and move it by stale moments;
+- AdamW keeps one step count per parameter, so its bias correction stays right for a
+  parameter that skipped steps;
+- padding belongs to no piece: the optimizer never touches it.
+The pieces are views into the shard, so the optimizer updates the shard in place; their
+gradients are views into the shard's reduced gradient, handed out after each backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.flat import FlatLayout
+
+
+@dataclass
+class Piece:
+    name: str  # the parameter's name
+    flag: int  # the parameter's used-flag position
+    start: int  # [start, end) within this rank's shard
+    end: int
+    tensor: nn.Parameter  # view of the shard: the optimizer's tensor
+
+
+def cut(
+    names: Sequence[str], flags: Sequence[int], layout: FlatLayout, shard: torch.Tensor, rank: int
+) -> list[Piece]:
+    """The pieces of slice `rank` of a flat buffer with `layout`, over `shard` (S,)."""
+    s = shard.numel()
+    lo, hi = rank * s, (rank + 1) * s
+    pieces = []
+    for name, flag, o, shape in zip(names, flags, layout.offsets, layout.shapes, strict=True):
+        a, b = max(o, lo), min(o + shape.numel(), hi)
+        if a < b:
+            view = shard.detach()[a - lo : b - lo]
+            pieces.append(Piece(name, flag, a - lo, b - lo, nn.Parameter(view)))
+    return pieces
+
+
+def optimizer_tensors(pieces: Sequence[Piece], like: torch.Tensor) -> list[torch.Tensor]:
+    """The pieces' tensors, or one empty placeholder when this rank's slice holds padding
+    only: every rank then has the same param groups, in the same order."""
+    if pieces:
+        return [p.tensor for p in pieces]
+    return [nn.Parameter(like.new_empty(0))]
+
+
+def hand_out(pieces: Iterable[Piece], grad: torch.Tensor | None, unused: set[int]) -> None:
+    """Each piece's `.grad`: its view of the shard's gradient (S,), None for parameters
+    that no rank used since the last step."""
+    for p in pieces:
+        p.tensor.grad = None if grad is None or p.flag in unused else grad[p.start : p.end]
