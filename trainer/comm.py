@@ -5,8 +5,8 @@ Every collective returns a `Handle`: the call launches the operation asynchronou
 one spot for byte counting, timing (total vs. exposed communication time), backend
 fast paths and the test hooks (an event trace and an injected delay).
 
-Averages are computed as SUM followed by a division at wait time: `ReduceOp.AVG` is not
-available on Gloo and has been wrong on it in some releases.
+Averages follow `average_plan` ([Note: averaging over ranks]): NCCL's own `ReduceOp.AVG`
+where it is safe, SUM and a division elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 
 # ---------------------------------------------------------------------------------------
 # Accounting: bytes each rank sends per collective type (ring algorithm model), the time
@@ -211,8 +212,53 @@ def _launch(op: str, tag: str, nbytes: float, account: bool = True) -> None:
     record(f"launch:{op}", tag)
 
 
-def _divide(t: torch.Tensor, n: int) -> Callable[[], None] | None:
-    return (lambda: t.div_(n)) if n > 1 else None
+# [Note: averaging over ranks]
+# A mean over P ranks is a sum divided by P; where the division happens matters:
+#   NCCL, fp32/bf16 (and fp64): `ReduceOp.AVG`, NCCL divides inside the collective: no
+#       separate kernel, and these dtypes' range makes overflow of the sum a non-issue.
+#   fp16, any backend: the sum of P gradients can exceed fp16's 65504 where each one does
+#       not. Each rank divides its input by `pre` before the collective and the result is
+#       divided by `post` = P / pre after it, with `pre` the smallest power of two at least
+#       √P, as FSDP2 does: the sum then grows by at most P / pre ≈ √P, small values shrink
+#       by at most `pre` before they are added, and a power of two divides exactly.
+#   Gloo (and the p2p path), fp32/bf16: SUM, then a division by P at wait time:
+#       `ReduceOp.AVG` is missing on Gloo and has been silently wrong in some releases.
+# P = 1 does nothing: NCCL's AVG has been reported wrong at world size 1.
+
+
+@dataclass(frozen=True)
+class AveragePlan:
+    """Divide every rank's input by `pre`, reduce with `op`, divide the result by `post`."""
+
+    op: ReduceOp.RedOpType
+    pre: float = 1.0
+    post: float = 1.0
+
+
+def average_plan(backend: str, dtype: torch.dtype, p: int) -> AveragePlan:
+    """How a collective averages `dtype` over `p` ranks on `backend` ("nccl", "gloo", or
+    "p2p" for this module's send/recv collectives). [Note: averaging over ranks]"""
+    if p <= 1:
+        return AveragePlan(ReduceOp.SUM)
+    if dtype == torch.float16:
+        pre = 1
+        while pre * pre < p:
+            pre *= 2
+        return AveragePlan(ReduceOp.SUM, pre=float(pre), post=p / pre)
+    if backend == "nccl":
+        return AveragePlan(ReduceOp.AVG)
+    return AveragePlan(ReduceOp.SUM, post=float(p))
+
+
+def _plan(average: bool, tensor: torch.Tensor, group, p2p: bool = False) -> AveragePlan:
+    if not average:
+        return AveragePlan(ReduceOp.SUM)
+    backend = "p2p" if p2p else str(dist.get_backend(group))
+    return average_plan(backend, tensor.dtype, world_size(group))
+
+
+def _divide(t: torch.Tensor, n: float) -> Callable[[], None] | None:
+    return (lambda: t.div_(n)) if n != 1 else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,25 +276,34 @@ def all_reduce(
     """Sum (or average) `tensor` over ranks in place. `account=False` keeps small control
     messages out of the training traffic figures."""
     p = world_size(group)
+    plan = _plan(average, tensor, group)
     _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor), account)
     with _on_comm_stream(tensor):
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-    return Handle(work, _divide(tensor, p) if average else None, keep=(tensor,))
+        if plan.pre != 1:
+            tensor.div_(plan.pre)
+        work = dist.all_reduce(tensor, op=plan.op, group=group, async_op=True)
+    return Handle(work, _divide(tensor, plan.post), keep=(tensor,))
 
 
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, *, average: bool = False, tag: str = "", group=None
 ) -> Handle:
-    """Rank r receives the sum (or mean) of every rank's r-th 1/P slice of flat `input`."""
+    """Rank r receives the sum (or mean) of every rank's r-th 1/P slice of flat `input`.
+    An fp16 mean divides `input` in place before sending it ([Note: averaging over
+    ranks]): it is a send buffer, not to be read afterwards."""
     p = world_size(group)
     _check_split(output, input, p, "reduce_scatter")
+    p2p = _p2p_enabled(group)
+    plan = _plan(average, input, group, p2p)
     _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input))
     with _on_comm_stream(output, input):
-        if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
+        if plan.pre != 1:
+            input.div_(plan.pre)
+        if p2p:  # [Note: p2p collectives on Gloo]
             work = _p2p_reduce_scatter(output, input, group)
         else:
-            work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
-    return Handle(work, _divide(output, p) if average else None, keep=(output, input))
+            work = dist.reduce_scatter_single(output, input, op=plan.op, group=group, async_op=True)
+    return Handle(work, _divide(output, plan.post), keep=(output, input))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", group=None) -> Handle:
