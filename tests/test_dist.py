@@ -50,6 +50,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # torch's default
     return chosen
 
 
@@ -59,6 +60,7 @@ def test_nccl_init_uses_the_bound_gpu_and_sets_error_handling(fake_gpu):
     env = tdist.init("nccl")
     assert env.device == torch.device("cuda", 0) and fake_gpu == [env.device]
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == tdist.NCCL_ERROR_HANDLING == "2"
+    assert torch.backends.cudnn.allow_tf32 is False  # fp32 convolutions, as on CPU
 
 
 def test_nccl_init_keeps_the_users_error_handling(fake_gpu, monkeypatch):

@@ -55,6 +55,11 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
         )
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
+        # precision=fp32 means fp32 in every kernel, as on CPU: torch already keeps TF32
+        # off for matmuls, but cuDNN's convolutions use it by default, which would make
+        # model=cnn/resnet18 differ from a CPU run by more than rounding (gpu_check.sh) and
+        # their MFU be measured against the wrong peak. bf16 is the fast path.
+        torch.backends.cudnn.allow_tf32 = False
         # [Note: NCCL timeouts] Set before the group exists: NCCL reads it at creation.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
     else:
