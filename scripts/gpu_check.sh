@@ -1,45 +1,117 @@
 #!/usr/bin/env bash
-# On a machine with CUDA GPUs: run each mode for a few steps with NCCL (one rank per GPU),
-# check the final parameters against a CPU Gloo run of the same steps, and write a
-# profiler trace of the GPU run. Prints one line per mode.
+# Run each mode for a few steps on the GPUs with NCCL (one rank per GPU) and compare the
+# final parameters with a CPU Gloo run of the same steps on as many ranks; the GPU run
+# also writes a profiler trace. One line per check, then a verdict; the exit status is 0
+# only if every check ran and matched.
 #
-#   scripts/gpu_check.sh [steps] [extra Hydra overrides...]
-#   TOL=2e-2 scripts/gpu_check.sh 20 precision=bf16   # bf16 kernels round differently
-set -euo pipefail
+#   scripts/gpu_check.sh [--cpu] [steps] [extra Hydra overrides for both runs...]
+#   scripts/gpu_check.sh 20 precision=bf16         # bf16 gets a looser tolerance, below
+#   scripts/gpu_check.sh --cpu 4 model.hidden=32   # no GPU: Gloo (2 ranks) against Gloo
+#
+# --cpu runs the same logic with Gloo on both sides, so the script itself is tested
+# where no GPU is (tests/test_gpu_check.py). Environment:
+#   OUT_DIR  where runs and logs go (default runs/gpu_check; emptied first)
+#   TOL      max |dparam| allowed, relative to the largest |param| (default 1e-3;
+#            2e-2 with precision=bf16|fp16: their kernels round differently on GPU and
+#            CPU, and cuBLAS reduces bf16 products in reduced precision by default)
+#   MODES    modes to check (default "ddp zero fsdp")
+#   CHECKED_OVERRIDES  Hydra overrides for the run under test only (tests use them to
+#            make it differ from or fail against the reference)
+#   PY       the Python to use (default .venv/bin/python, else python3)
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+
+cpu=0
+if [ "${1:-}" = "--cpu" ]; then
+  cpu=1
+  shift
+fi
 steps=${1:-20}
 shift || true
-ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-if [ "$ngpu" -lt 1 ]; then
-  echo "gpu_check: no CUDA GPU visible" >&2
-  exit 1
+case "$steps" in
+  '' | *[!0-9]* | 0*) echo "gpu_check: steps must be a positive integer, got '$steps'" >&2; exit 2 ;;
+esac
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+
+if [ "$cpu" = 1 ]; then
+  nproc=2
+  checked=(dist.backend=gloo)
+  checked_env=(CUDA_VISIBLE_DEVICES=)
+  what="Gloo vs CPU Gloo (--cpu)"
+else
+  nproc=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [ "$nproc" -lt 1 ]; then
+    echo "gpu_check: no CUDA GPU visible (scripts/gpu_check.sh --cpu checks the script on CPU)" >&2
+    exit 1
+  fi
+  checked=(dist.backend=nccl)
+  checked_env=()
+  what="NCCL vs CPU Gloo"
 fi
+
+tol=${TOL:-1e-3}
+if [ -z "${TOL:-}" ]; then
+  for arg in "$@"; do
+    case "$arg" in precision=bf16 | precision=fp16) tol=2e-2 ;; esac
+  done
+fi
+
 out=${OUT_DIR:-runs/gpu_check}
 rm -rf "$out"
-common=(train.steps="$steps" train.log_every=5 train.save_final=true model.hidden=512 "$@")
-for mode in ddp zero fsdp; do
-  "$PY" -m torch.distributed.run --standalone --nproc-per-node="$ngpu" train.py mode=$mode \
-    dist.backend=nccl profile=true "${common[@]}" hydra.run.dir="$out/$mode-nccl" \
-    >"$out-$mode-nccl.log" 2>&1 || { echo "$mode: NCCL run failed, see $out-$mode-nccl.log"; continue; }
-  CUDA_VISIBLE_DEVICES= "$PY" -m torch.distributed.run --standalone --nproc-per-node="$ngpu" \
-    train.py mode=$mode dist.backend=gloo "${common[@]}" hydra.run.dir="$out/$mode-gloo" \
-    >"$out-$mode-gloo.log" 2>&1 || { echo "$mode: Gloo run failed, see $out-$mode-gloo.log"; continue; }
-  "$PY" - "$mode" "$out" "$ngpu" "${TOL:-1e-3}" <<'PYEOF'
+mkdir -p "$out" || { echo "gpu_check: cannot create $out" >&2; exit 1; }
+
+# The global batch is a multiple of the rank count (any GPU count works); later
+# overrides of the same key, the caller's included, take precedence.
+common=(train.steps="$steps" train.log_every=5 train.eval_every=0 train.save_final=true
+  train.batch_size=$((32 * nproc)) "$@")
+read -r -a extra <<<"${CHECKED_OVERRIDES:-}"
+
+failed=()
+for mode in ${MODES:-ddp zero fsdp}; do
+  log_checked="$out/$mode-checked.log" log_ref="$out/$mode-reference.log"
+  if ! env "${checked_env[@]}" "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node="$nproc" train.py mode="$mode" "${checked[@]}" profile=true \
+    "${common[@]}" "${extra[@]}" hydra.run.dir="$out/$mode-checked" >"$log_checked" 2>&1; then
+    echo "$mode: FAILED run under test, see $log_checked"
+    failed+=("$mode")
+    continue
+  fi
+  if ! CUDA_VISIBLE_DEVICES= "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node="$nproc" train.py mode="$mode" dist.backend=gloo \
+    "${common[@]}" hydra.run.dir="$out/$mode-reference" >"$log_ref" 2>&1; then
+    echo "$mode: FAILED CPU Gloo reference run, see $log_ref"
+    failed+=("$mode")
+    continue
+  fi
+  if ! "$PY" - "$mode" "$out" "$nproc" "$tol" "$what" <<'PYEOF'; then
 import json, sys
 from pathlib import Path
 import torch
-mode, out, ngpu, tol = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-gpu = torch.load(out / f"{mode}-nccl" / "final_model.pt", weights_only=True)
-cpu = torch.load(out / f"{mode}-gloo" / "final_model.pt", weights_only=True)
-diff = max((gpu[k].float() - cpu[k].float()).abs().max().item() for k in cpu)
-scale = max(cpu[k].float().abs().max().item() for k in cpu)
+mode, out, nproc, tol, what = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+run = torch.load(out / f"{mode}-checked" / "final_model.pt", weights_only=True)
+ref = torch.load(out / f"{mode}-reference" / "final_model.pt", weights_only=True)
+if run.keys() != ref.keys():
+    print(f"{mode}: MISMATCH parameter names differ")
+    sys.exit(1)
+diff = max((run[k].float() - ref[k].float()).abs().max().item() for k in ref)
+scale = max(ref[k].float().abs().max().item() for k in ref)
 ok = diff <= tol * max(scale, 1.0)
-m = json.loads((out / f"{mode}-nccl" / "final_metrics.json").read_text())
-traces = sorted((out / f"{mode}-nccl" / "traces").glob("rank*.json"))
-print(f"{mode}: {'OK ' if ok else 'MISMATCH'} {ngpu} GPU(s) NCCL vs CPU Gloo, max |dparam| "
-      f"{diff:.2e}, loss {m.get('train/loss', float('nan')):.4f}, "
+m = json.loads((out / f"{mode}-checked" / "final_metrics.json").read_text())
+traces = sorted((out / f"{mode}-checked" / "traces").glob("rank*.json"))
+print(f"{mode}: {'OK' if ok else 'MISMATCH'} {nproc} rank(s) {what}, max |dparam| {diff:.2e} "
+      f"(tol {tol:g} x {max(scale, 1.0):.2f}), loss {m.get('train/loss', float('nan')):.4f}, "
       f"overlap {m.get('comm/overlap_pct', float('nan')):.0f}%, "
       f"{m.get('perf/samples_per_s', 0):.0f} samples/s, trace {traces[0] if traces else 'none'}")
+sys.exit(0 if ok else 1)
 PYEOF
+    failed+=("$mode")
+  fi
 done
+
+if [ ${#failed[@]} -eq 0 ]; then
+  echo "gpu_check: PASS (${MODES:-ddp zero fsdp}; $what)"
+else
+  echo "gpu_check: FAIL (${failed[*]})"
+  exit 1
+fi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,8 +24,9 @@ def test_every_mode_matches_cpu_gloo_on_gpu(tmp_path, precision, tol):
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "OUT_DIR": str(tmp_path / "gpu"), "TOL": tol},
+        env={**os.environ, "OUT_DIR": str(tmp_path / "gpu"), "TOL": tol, "PY": sys.executable},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line[:5] in ("ddp: ", "zero:", "fsdp:")]
     assert len(lines) == 3 and all(" OK " in line for line in lines), proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("gpu_check: PASS"), proc.stdout

@@ -527,8 +527,11 @@ def _rng_state() -> dict[str, Any]:
         state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
     except ImportError:
         pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    # This rank's device generator only: get_rng_state_all() would create a CUDA context
+    # on every visible GPU in every rank, and its list would not fit a resume on another
+    # GPU count. A process that never used CUDA has no generator state worth keeping.
+    if torch.cuda.is_initialized():
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -540,8 +543,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_initialized():
+        return
+    device = torch.cuda.current_device()
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], device)
+    elif "cuda" in state and device < len(state["cuda"]):
+        # Checkpoints written before "cuda_device": every visible GPU's state, by index.
+        torch.cuda.set_rng_state(state["cuda"][device], device)
 
 
 def _device(engine) -> torch.device:

@@ -5,8 +5,8 @@ Every collective returns a `Handle`: the call launches the operation asynchronou
 one spot for byte counting, timing (total vs. exposed communication time), backend
 fast paths and the test hooks (an event trace and an injected delay).
 
-Averages are computed as SUM followed by a division at wait time: `ReduceOp.AVG` is not
-available on Gloo and has been wrong on it in some releases.
+Averages follow `average_plan` ([Note: averaging over ranks]): NCCL's own `ReduceOp.AVG`
+where it is safe, SUM and a division elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 
 # ---------------------------------------------------------------------------------------
 # Accounting: bytes each rank sends per collective type (ring algorithm model), the time
@@ -29,20 +30,30 @@ import torch.distributed as dist
 class CommStats:
     bytes_sent: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    # Wall time with at least one collective in flight (launch -> completion observed):
-    # the union of the intervals, so collectives in flight together count once.
+    # Time with at least one collective in flight: the union of the intervals, so
+    # collectives in flight together count once. CPU: launch -> completion observed in
+    # wait(); CUDA: start -> end of the collective on the comm stream.
     busy_s: float = 0.0
     busy_until: float = 0.0
-    exposed_s: float = 0.0  # time callers spent blocked in Handle.wait()
+    exposed_s: float = 0.0  # time callers (CPU) or the compute stream (CUDA) waited
 
-    def settle(self) -> None:
-        """CUDA: fold finished collectives' event timings into busy_s / exposed_s."""
-        if _pending_timings:
-            torch.cuda.synchronize()
-            for launched, wait_begin, done in _pending_timings:
-                self.busy_s += launched.elapsed_time(done) / 1e3
-                self.exposed_s += wait_begin.elapsed_time(done) / 1e3
-            _pending_timings.clear()
+    def settle(self, block: bool = True) -> None:
+        """CUDA: fold collectives' event timings into busy_s / exposed_s. `block=False`
+        folds only the leading ones whose events have completed, without a host sync.
+        [Note: communication streams]"""
+        if block and _pending_timings:
+            _cuda.synchronize()
+            n = len(_pending_timings)
+        else:
+            n = 0
+            while n < len(_pending_timings) and _pending_timings[n][2].query():
+                n += 1
+        if n == 0:
+            return
+        batch = _pending_timings[:n]
+        del _pending_timings[:n]
+        self.busy_s += _union_s([(a, b) for kind, a, b in batch if kind == "busy"])
+        self.exposed_s += _union_s([(a, b) for kind, a, b in batch if kind == "exposed"])
 
     def reset(self) -> None:
         _pending_timings.clear()
@@ -60,26 +71,20 @@ stats = CommStats()
 trace: list[tuple[str, str]] | None = None
 delay_s: float = 0.0
 
+_accounting = True  # False inside unaccounted()
+
 
 @contextlib.contextmanager
 def unaccounted():
-    """Collectives inside the block stay out of `stats`: evaluation and checkpoint
-    traffic is not part of a training step's figures."""
-    saved = (
-        dict(stats.bytes_sent),
-        dict(stats.calls),
-        stats.busy_s,
-        stats.busy_until,
-        stats.exposed_s,
-    )
+    """Collectives launched inside the block stay out of `stats` (bytes, calls, busy and
+    exposed time, whenever they are waited or settled): evaluation and checkpoint traffic
+    is not part of a training step's figures."""
+    global _accounting
+    saved, _accounting = _accounting, False
     try:
         yield
     finally:
-        stats.bytes_sent.clear()
-        stats.bytes_sent.update(saved[0])
-        stats.calls.clear()
-        stats.calls.update(saved[1])
-        stats.busy_s, stats.busy_until, stats.exposed_s = saved[2:]
+        _accounting = saved
 
 
 def record(event: str, tag: str = "") -> None:
@@ -90,57 +95,56 @@ def record(event: str, tag: str = "") -> None:
 
 class Handle:
     """An in-flight collective. `wait()` blocks (CPU) or orders the compute stream after
-    it (CUDA), then runs the op's finishing step. [Note: communication streams]"""
+    it (CUDA); the op's finishing step has run by then. [Note: communication streams]"""
 
-    __slots__ = ("_work", "_post", "_t0", "_keep", "_launched", "done")
+    __slots__ = ("_work", "_post", "_t0", "_keep", "_end", "_account", "done")
 
     def __init__(
         self,
         work: dist.Work | _P2PWork | None,
         post: Callable[[], None] | None = None,
         keep: Sequence[torch.Tensor] = (),
+        *,
+        start: torch.cuda.Event | None = None,
     ):
-        self._work = work
-        self._post = post
         self._t0 = time.perf_counter()
         self._keep = keep  # CUDA: tensors the comm stream uses, alive until wait()
-        self._launched = _record_event(keep)
+        self._account = _accounting
+        self._end = None
+        if keep and _is_cuda(keep[0]):
+            self._end = _finish_on_comm_stream(work, post, keep[0].device, start)
+            work = post = None
+        self._work = work
+        self._post = post
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        if self._launched is not None:
+        if self._end is not None:
             self._wait_cuda()
         else:
             t = time.perf_counter()
             if self._work is not None:
                 self._work.wait()
             end = time.perf_counter()
-            stats.exposed_s += end - t
-            # Waits return in time order, so the part of [t0, end] not yet counted is
-            # what lies after the last counted end.
-            stats.busy_s += max(0.0, end - max(self._t0, stats.busy_until))
-            stats.busy_until = max(stats.busy_until, end)
+            if self._account:
+                stats.exposed_s += end - t
+                # Waits return in time order, so the part of [t0, end] not yet counted is
+                # what lies after the last counted end.
+                stats.busy_s += max(0.0, end - max(self._t0, stats.busy_until))
+                stats.busy_until = max(stats.busy_until, end)
             if self._post is not None:
                 self._post()
         self._keep = ()
         self.done = True
 
     def _wait_cuda(self) -> None:
-        stream = _comm_stream(self._keep[0].device)
-        with torch.cuda.stream(stream):
-            if self._work is not None:
-                self._work.wait()  # NCCL: orders the comm stream after the collective
-            if self._post is not None:
-                self._post()  # copies out of the receive buffer run on the comm stream
-        compute = torch.cuda.current_stream(stream.device)
-        wait_begin = torch.cuda.Event(enable_timing=True)
-        wait_begin.record(compute)
-        compute.wait_stream(stream)  # compute waits only here, where it consumes the result
-        done = torch.cuda.Event(enable_timing=True)
-        done.record(compute)
-        _pending_timings.append((self._launched, wait_begin, done))
+        compute = _cuda.current_stream(self._keep[0].device)
+        wait_begin = _timing_event(compute) if self._account else None
+        compute.wait_event(self._end)  # compute waits only here, where it uses the result
+        if wait_begin is not None:
+            _add_timing("exposed", wait_begin, _timing_event(compute))
 
 
 # [Note: communication streams]
@@ -150,48 +154,109 @@ class Handle:
 #           written there), then the collective is enqueued on it; `record_stream` tells
 #           the caching allocator that these tensors are in use on the comm stream, and the
 #           Handle keeps a reference, so memory freed by the compute stream is not reused
-#           under a collective in flight.
-#   wait:   the finishing step (averaging, adding received chunks) is enqueued on the comm
-#           stream too, and the compute stream waits for it: only at this point, where
-#           the result is consumed, and without blocking the CPU.
+#           under a collective in flight. Right after, still at launch, the comm stream is
+#           ordered after the collective (NCCL runs it on a stream of its own; `work.wait()`
+#           makes the current stream wait for it without blocking the CPU) and the
+#           finishing step (averaging, adding received chunks) is enqueued behind it; an
+#           `end` event marks the result ready.
+#   wait:   the compute stream waits for `end`: only at this point, where the result is
+#           consumed, and without blocking the CPU.
 # Copies into send buffers (a bucket's flat gradient) happen where the gradient is
 # produced, on the compute stream, which the launch-time wait covers.
-# Timing: events at launch (comm stream), at the start of the wait and at its end
-# (compute stream): busy = launch -> end, exposed = wait start -> end, i.e. the time the
-# compute stream actually stalled. They are read lazily, in `stats.settle()`.
+# Timing: a `start` event before the collective and the `end` event after its finishing
+# step, both on the comm stream, bound the time it occupied that stream; busy is the
+# union of those intervals. Exposed time is the compute stream's stall: an event before
+# its wait and one after. Events are read lazily, in `stats.settle()`; when more than
+# `_MAX_PENDING` wait to be read (a loop that never calls settle), the completed ones
+# are folded without a host sync, and only if the GPU is that far behind does it block.
+# Collectives launched under `unaccounted()` record no timing events.
 # On CPU (Gloo) the same calls use Gloo's asynchronous work handles and wall-clock time.
 
+# The CUDA entry points this module uses, in one name: tests stand a fake in for it.
+_cuda = torch.cuda
+
+_MAX_PENDING = 1024
 _streams: dict[torch.device, torch.cuda.Stream] = {}
-_pending_timings: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+# ("busy" | "exposed", first event, second event), in the order they were recorded
+_pending_timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
 
 
 def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device=device)
+        _streams[device] = _cuda.Stream(device=device)
     return _streams[device]
 
 
-def _record_event(tensors: Sequence[torch.Tensor]) -> torch.cuda.Event | None:
-    if not tensors or not tensors[0].is_cuda:
-        return None
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record(_comm_stream(tensors[0].device))
+def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = _cuda.Event(enable_timing=True)
+    ev.record(stream)
     return ev
+
+
+def _add_timing(kind: str, first: torch.cuda.Event, second: torch.cuda.Event) -> None:
+    _pending_timings.append((kind, first, second))
+    if len(_pending_timings) > _MAX_PENDING:  # [Note: communication streams]
+        stats.settle(block=False)
+        if len(_pending_timings) > _MAX_PENDING:
+            stats.settle()
+
+
+def _union_s(intervals: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+    """Seconds covered by the union of (start, end) event intervals."""
+    if not intervals:
+        return 0.0
+    ref = intervals[0][0]
+    spans = sorted((ref.elapsed_time(a), ref.elapsed_time(b)) for a, b in intervals)  # ms
+    total, until = 0.0, float("-inf")
+    for a, b in spans:
+        if b > until:
+            total += b - max(a, until)
+            until = b
+    return total / 1e3
+
+
+def _finish_on_comm_stream(
+    work: dist.Work | _P2PWork | None,
+    post: Callable[[], None] | None,
+    device: torch.device,
+    start: torch.cuda.Event | None,
+) -> torch.cuda.Event:
+    """CUDA, at launch: order the comm stream after the collective, enqueue the finishing
+    step behind it and return the event that marks the result ready."""
+    stream = _comm_stream(device)
+    with _cuda.stream(stream):
+        if work is not None:
+            work.wait()  # NCCL: the comm stream waits for NCCL's stream; the CPU does not
+        if post is not None:
+            post()  # averaging, adding received chunks: on the comm stream
+    if start is None:
+        end = _cuda.Event()
+        end.record(stream)
+        return end
+    end = _timing_event(stream)
+    _add_timing("busy", start, end)
+    return end
 
 
 @contextlib.contextmanager
 def _on_comm_stream(*tensors: torch.Tensor | None):
-    """CUDA: run the enclosed launch on the comm stream, ordered after compute."""
+    """CUDA: run the enclosed launch on the comm stream, ordered after compute. Yields the
+    launch's start event (CUDA, accounted) or None, for the Handle."""
     live = [t for t in tensors if t is not None]
-    if not live or not live[0].is_cuda:
-        yield
+    if not live or not _is_cuda(live[0]):
+        yield None
         return
     stream = _comm_stream(live[0].device)
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    stream.wait_stream(_cuda.current_stream(stream.device))
     for t in live:
         t.record_stream(stream)
-    with torch.cuda.stream(stream):
-        yield
+    start = _timing_event(stream) if _accounting else None
+    with _cuda.stream(stream):
+        yield start
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -205,14 +270,59 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 def _launch(op: str, tag: str, nbytes: float, account: bool = True) -> None:
     if delay_s:
         time.sleep(delay_s)
-    if account:
+    if account and _accounting:
         stats.bytes_sent[op] += nbytes
         stats.calls[op] += 1
     record(f"launch:{op}", tag)
 
 
-def _divide(t: torch.Tensor, n: int) -> Callable[[], None] | None:
-    return (lambda: t.div_(n)) if n > 1 else None
+# [Note: averaging over ranks]
+# A mean over P ranks is a sum divided by P; where the division happens matters:
+#   NCCL, fp32/bf16 (and fp64): `ReduceOp.AVG`, NCCL divides inside the collective: no
+#       separate kernel, and these dtypes' range makes overflow of the sum a non-issue.
+#   fp16, any backend: the sum of P gradients can exceed fp16's 65504 where each one does
+#       not. Each rank divides its input by `pre` before the collective and the result is
+#       divided by `post` = P / pre after it, with `pre` the smallest power of two at least
+#       √P, as FSDP2 does: the sum then grows by at most P / pre ≈ √P, small values shrink
+#       by at most `pre` before they are added, and a power of two divides exactly.
+#   Gloo (and the p2p path), fp32/bf16: SUM, then a division by P at wait time:
+#       `ReduceOp.AVG` is missing on Gloo and has been silently wrong in some releases.
+# P = 1 does nothing: NCCL's AVG has been reported wrong at world size 1.
+
+
+@dataclass(frozen=True)
+class AveragePlan:
+    """Divide every rank's input by `pre`, reduce with `op`, divide the result by `post`."""
+
+    op: ReduceOp.RedOpType
+    pre: float = 1.0
+    post: float = 1.0
+
+
+def average_plan(backend: str, dtype: torch.dtype, p: int) -> AveragePlan:
+    """How a collective averages `dtype` over `p` ranks on `backend` ("nccl", "gloo", or
+    "p2p" for this module's send/recv collectives). [Note: averaging over ranks]"""
+    if p <= 1:
+        return AveragePlan(ReduceOp.SUM)
+    if dtype == torch.float16:
+        pre = 1
+        while pre * pre < p:
+            pre *= 2
+        return AveragePlan(ReduceOp.SUM, pre=float(pre), post=p / pre)
+    if backend == "nccl":
+        return AveragePlan(ReduceOp.AVG)
+    return AveragePlan(ReduceOp.SUM, post=float(p))
+
+
+def _plan(average: bool, tensor: torch.Tensor, group, p2p: bool = False) -> AveragePlan:
+    if not average:
+        return AveragePlan(ReduceOp.SUM)
+    backend = "p2p" if p2p else str(dist.get_backend(group))
+    return average_plan(backend, tensor.dtype, world_size(group))
+
+
+def _divide(t: torch.Tensor, n: float) -> Callable[[], None] | None:
+    return (lambda: t.div_(n)) if n != 1 else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,25 +340,34 @@ def all_reduce(
     """Sum (or average) `tensor` over ranks in place. `account=False` keeps small control
     messages out of the training traffic figures."""
     p = world_size(group)
+    plan = _plan(average, tensor, group)
     _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor), account)
-    with _on_comm_stream(tensor):
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-    return Handle(work, _divide(tensor, p) if average else None, keep=(tensor,))
+    with _on_comm_stream(tensor) as start:
+        if plan.pre != 1:
+            tensor.div_(plan.pre)
+        work = dist.all_reduce(tensor, op=plan.op, group=group, async_op=True)
+    return Handle(work, _divide(tensor, plan.post), keep=(tensor,), start=start)
 
 
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, *, average: bool = False, tag: str = "", group=None
 ) -> Handle:
-    """Rank r receives the sum (or mean) of every rank's r-th 1/P slice of flat `input`."""
+    """Rank r receives the sum (or mean) of every rank's r-th 1/P slice of flat `input`.
+    An fp16 mean divides `input` in place before sending it ([Note: averaging over
+    ranks]): it is a send buffer, not to be read afterwards."""
     p = world_size(group)
     _check_split(output, input, p, "reduce_scatter")
+    p2p = _p2p_enabled(group)
+    plan = _plan(average, input, group, p2p)
     _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input))
-    with _on_comm_stream(output, input):
-        if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
+    with _on_comm_stream(output, input) as start:
+        if plan.pre != 1:
+            input.div_(plan.pre)
+        if p2p:  # [Note: p2p collectives on Gloo]
             work = _p2p_reduce_scatter(output, input, group)
         else:
-            work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
-    return Handle(work, _divide(output, p) if average else None, keep=(output, input))
+            work = dist.reduce_scatter_single(output, input, op=plan.op, group=group, async_op=True)
+    return Handle(work, _divide(output, plan.post), keep=(output, input), start=start)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", group=None) -> Handle:
@@ -256,27 +375,27 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", grou
     p = world_size(group)
     _check_split(input, output, p, "all_gather")
     _launch("all_gather", tag, (p - 1) * _nbytes(input))
-    with _on_comm_stream(output, input):
+    with _on_comm_stream(output, input) as start:
         if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
             work = _p2p_all_gather(output, input, group)
         else:
             work = dist.all_gather_single(output, input, group=group, async_op=True)
-    return Handle(work, keep=(output, input))
+    return Handle(work, keep=(output, input), start=start)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, tag: str = "", group=None) -> Handle:
     _launch("broadcast", tag, _nbytes(tensor) if rank(group) == src else 0)
-    with _on_comm_stream(tensor):
+    with _on_comm_stream(tensor) as start:
         work = dist.broadcast(tensor, src, group=group, async_op=True)
-    return Handle(work, keep=(tensor,))
+    return Handle(work, keep=(tensor,), start=start)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, *, tag: str = "", group=None) -> Handle:
     """Sum `tensor` into rank `dst`; other ranks' copies are left undefined."""
     _launch("reduce", tag, _nbytes(tensor))
-    with _on_comm_stream(tensor):
+    with _on_comm_stream(tensor) as start:
         work = dist.reduce(tensor, dst, group=group, async_op=True)
-    return Handle(work, keep=(tensor,))
+    return Handle(work, keep=(tensor,), start=start)
 
 
 def gather(
@@ -323,11 +442,11 @@ def all_to_all(
         row = _nbytes(input) / max(input.shape[0], 1)
         sent = row * (sum(input_splits) - input_splits[rank(group)])
     _launch("all_to_all", tag, sent)
-    with _on_comm_stream(output, input):
+    with _on_comm_stream(output, input) as start:
         work = dist.all_to_all_single(
             output, input, output_splits, input_splits, group=group, async_op=True
         )
-    return Handle(work, keep=(output, input))
+    return Handle(work, keep=(output, input), start=start)
 
 
 def barrier(*, tag: str = "", group=None) -> Handle:

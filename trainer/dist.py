@@ -50,13 +50,18 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl":
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
-                "start at most one process per GPU"
-            )
-        device = torch.device("cuda", local_rank)
+        index = cuda_device_index(
+            local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
+        # precision=fp32 means fp32 in every kernel, as on CPU: torch already keeps TF32
+        # off for matmuls, but cuDNN's convolutions use it by default, which would make
+        # model=cnn/resnet18 differ from a CPU run by more than rounding (gpu_check.sh) and
+        # their MFU be measured against the wrong peak. bf16 is the fast path.
+        torch.backends.cudnn.allow_tf32 = False
+        # [Note: NCCL timeouts] Set before the group exists: NCCL reads it at creation.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
@@ -70,6 +75,26 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
             rank, world_size, local_rank = 0, 1, 0
     return DistEnv(rank, world_size, local_rank, device, backend)
+
+
+def cuda_device_index(local_rank: int, device_count: int, visible: str | None) -> int:
+    """The CUDA device this rank uses, among the `device_count` it sees.
+
+    torchrun (and SLURM without GPU binding) shows every rank all of the node's GPUs:
+    rank LOCAL_RANK takes GPU LOCAL_RANK. Launchers that bind one GPU per rank (SLURM's
+    `--gpus-per-task=1`, Ray, Kubernetes device plugins, a wrapper script) set each rank's
+    CUDA_VISIBLE_DEVICES to its own GPU: the rank sees exactly one, device 0, whatever its
+    LOCAL_RANK. Anything else would put two ranks on one GPU, which NCCL does not allow.
+    """
+    if 0 <= local_rank < device_count:
+        return local_rank
+    if device_count == 1 and visible:
+        return 0
+    seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""
+    raise ConfigError(
+        f"LOCAL_RANK={local_rank} but only {device_count} GPU(s) are visible{seen}; "
+        "start at most one process per GPU"
+    )
 
 
 def _attempt_store(timeout: timedelta) -> dict:
@@ -92,11 +117,26 @@ def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
+# [Note: NCCL timeouts]
+# Gloo raises in the waiting rank when a collective exceeds `dist.timeout_s`. NCCL does
+# not: collectives do not block the CPU, and ProcessGroupNCCL's watchdog thread finds the
+# timed-out work. By default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) it then takes the process
+# down from that thread: no Python exception, so the one-line "a rank has stopped
+# responding" error never printed. With 2 the watchdog only aborts the communicators: the
+# stuck kernels return, and the next NCCL call in the main thread raises "NCCL
+# communicator was aborted on rank N", which `peer_failure` turns into that line. A user's
+# own TORCH_NCCL_ASYNC_ERROR_HANDLING is kept. Untested on GPUs so far.
+NCCL_ERROR_HANDLING = "2"
+
+_PEER_TIMEOUT_TEXTS = ("timed out", "communicator was aborted", "watchdog caught")
+
+
 def peer_failure(error: RuntimeError, timeout_s: float) -> PeerError | None:
     """The one-line error for a collective that failed because another rank stopped
-    answering (Gloo raises after `dist.timeout_s`) or died; None for other errors."""
+    answering (Gloo raises after `dist.timeout_s`; NCCL's aborted communicator, see
+    [Note: NCCL timeouts]) or died; None for other errors."""
     text, rank = str(error), dist.get_rank() if dist.is_initialized() else 0
-    if "timed out" in text.lower():
+    if any(t in text.lower() for t in _PEER_TIMEOUT_TEXTS):
         return PeerError(
             f"rank {rank}: no answer from the other ranks within dist.timeout_s={timeout_s:g} s; "
             "a rank has stopped responding (hung, or waiting in another collective)"

@@ -77,9 +77,15 @@ class IntervalMetrics:
         self._sums["comm_busy_s"] = comm.stats.busy_s
         self._sums["comm_exposed_s"] = comm.stats.exposed_s
         bytes_per_op = dict(comm.stats.bytes_sent)
+        # Some sums are device tensors (loss, correct, grad norm: no sync per step), the
+        # others Python floats; every element goes to the metric device before stacking,
+        # since torch.stack refuses a mix of CUDA and CPU tensors.
         packed = torch.stack(
-            [torch.as_tensor(self._sums[f], dtype=torch.float64) for f in _FIELDS]
-        ).to(self.device)
+            [
+                torch.as_tensor(self._sums[f], dtype=torch.float64, device=self.device)
+                for f in _FIELDS
+            ]
+        )  # (len(_FIELDS),)
         comm.stats.reset()
         comm.reduce(packed, dst=0, tag="metrics").wait()
         memory = self.memory.gather() if self.memory is not None else {}  # one Gather

@@ -1,0 +1,89 @@
+"""Device choice and NCCL error handling in trainer/dist.py, checked without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer import dist as tdist
+from trainer.errors import ConfigError, PeerError
+
+
+@pytest.mark.parametrize(
+    "local_rank, count, visible, index",
+    [
+        (0, 4, None, 0),  # torchrun: every rank sees the node's GPUs
+        (3, 4, None, 3),
+        (2, 4, "0,1,2,3", 2),
+        (0, 1, "5", 0),  # one GPU bound to each rank (SLURM --gpus-per-task=1, Ray, ...)
+        (3, 1, "5", 0),
+        (7, 1, "GPU-8a1b", 0),  # bound by UUID
+    ],
+)
+def test_cuda_device_index(local_rank, count, visible, index):
+    assert tdist.cuda_device_index(local_rank, count, visible) == index
+
+
+@pytest.mark.parametrize(
+    "local_rank, count, visible, needle",
+    [
+        (2, 2, None, "LOCAL_RANK=2 but only 2 GPU(s) are visible; start at most one"),
+        (1, 1, None, "LOCAL_RANK=1 but only 1 GPU(s) are visible; start"),
+        (3, 2, "0,1", "LOCAL_RANK=3 but only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=0,1)"),
+        (1, 0, "", "LOCAL_RANK=1 but only 0 GPU(s)"),
+    ],
+)
+def test_more_ranks_than_gpus_is_refused(local_rank, count, visible, needle):
+    with pytest.raises(ConfigError) as e:
+        tdist.cuda_device_index(local_rank, count, visible)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """One visible GPU and a process group that already exists: init only picks."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(tdist.dist, "is_initialized", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # torch's default
+    return chosen
+
+
+def test_nccl_init_uses_the_bound_gpu_and_sets_error_handling(fake_gpu):
+    import os
+
+    env = tdist.init("nccl")
+    assert env.device == torch.device("cuda", 0) and fake_gpu == [env.device]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == tdist.NCCL_ERROR_HANDLING == "2"
+    assert torch.backends.cudnn.allow_tf32 is False  # fp32 convolutions, as on CPU
+
+
+def test_nccl_init_keeps_the_users_error_handling(fake_gpu, monkeypatch):
+    import os
+
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    tdist.init("nccl")
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "NCCL communicator was aborted on rank 1. Original reason for failure was: ...",
+        "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, ...)",
+        "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 600000ms for recv",
+    ],
+)
+def test_peer_timeouts_become_one_line(text):
+    failure = tdist.peer_failure(RuntimeError(text), 600)
+    assert isinstance(failure, PeerError)
+    assert "no answer from the other ranks within dist.timeout_s=600 s" in str(failure)
+
+
+def test_other_errors_are_not_peer_failures():
+    assert tdist.peer_failure(RuntimeError("CUDA out of memory"), 600) is None

@@ -1,0 +1,70 @@
+"""scripts/gpu_check.sh tested where no GPU is: `--cpu` runs its whole logic with Gloo
+against Gloo (2 ranks); CHECKED_OVERRIDES makes the run under test differ or fail, which
+must show in its lines and its exit status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from test_cli import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+SMALL = ["model.hidden=16", "model.depth=2"]
+
+
+def _check(tmp_path, steps: int, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--cpu", str(steps), *SMALL, *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        # a nested directory that does not exist yet, as runs/ in a fresh clone
+        env={**os.environ, "PY": sys.executable, "OUT_DIR": str(tmp_path / "a" / "check"), **env},
+    )
+
+
+@pytest.mark.slow
+def test_cpu_mode_checks_every_mode_and_passes(tmp_path):
+    proc = _check(tmp_path, 2)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [line.split(":")[0] for line in lines] == ["ddp", "zero", "fsdp", "gpu_check"]
+    for line in lines[:3]:
+        assert " OK 2 rank(s) Gloo vs CPU Gloo (--cpu), max |dparam| 0.00e+00" in line, line
+        assert "trace " in line and "trace none" not in line, line
+    assert lines[3] == "gpu_check: PASS (ddp zero fsdp; Gloo vs CPU Gloo (--cpu))"
+
+
+@pytest.mark.slow
+def test_a_mismatch_fails_the_check(tmp_path):
+    proc = _check(tmp_path, 2, MODES="ddp", CHECKED_OVERRIDES="optim.lr=0.05")
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert lines[0].startswith("ddp: MISMATCH 2 rank(s)"), lines
+    assert lines[-1] == "gpu_check: FAIL (ddp)"
+
+
+def test_a_failed_run_fails_the_check(tmp_path):
+    proc = _check(tmp_path, 2, MODES="ddp zero", CHECKED_OVERRIDES="optim.schedule=linear")
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    out = tmp_path / "a" / "check"
+    assert lines == [
+        f"ddp: FAILED run under test, see {out}/ddp-checked.log",
+        f"zero: FAILED run under test, see {out}/zero-checked.log",
+        "gpu_check: FAIL (ddp zero)",
+    ]
+    assert "optim.schedule='linear' is not one of" in (out / "ddp-checked.log").read_text()
+
+
+@pytest.mark.parametrize("steps", ["ten", "0", "-3"])
+def test_bad_steps_are_refused_in_one_line(steps):
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu", steps], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == f"gpu_check: steps must be a positive integer, got '{steps}'\n"

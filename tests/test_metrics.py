@@ -1,0 +1,64 @@
+"""IntervalMetrics.reduce packs device tensors and Python floats on one device.
+
+No GPU is needed: the 'meta' device stands in for CUDA. Like a CUDA tensor, a meta
+tensor cannot be stacked with CPU tensors (torch.stack raises), so a reduce() that left
+the Python-float fields on the CPU fails here exactly as it failed at the first log
+step of every NCCL run. The collective is replaced by a fake that records what it was
+given: this proves the packing, not that NCCL accepts the result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer import comm
+from trainer.metrics import _FIELDS, IntervalMetrics
+
+
+class _DoneHandle:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_reduce(monkeypatch):
+    """comm.reduce, rank and world size without a process group; returns what was reduced."""
+    reduced: list[torch.Tensor] = []
+
+    def reduce(tensor, dst=0, *, tag="", group=None):
+        reduced.append(tensor)
+        return _DoneHandle()
+
+    monkeypatch.setattr(comm, "reduce", reduce)
+    monkeypatch.setattr(comm, "world_size", lambda group=None: 1)
+    comm.stats.reset()
+    return reduced
+
+
+def test_reduce_packs_every_field_on_the_metric_device(fake_reduce, monkeypatch):
+    monkeypatch.setattr(comm, "rank", lambda group=None: 1)  # not rank 0: nothing is read back
+    meta = torch.device("meta")
+    m = IntervalMetrics(meta)
+    loss, correct, norm = (torch.ones((), device=meta) for _ in range(3))
+    m.add(loss, correct, 64, 0.5, samples=8, grad_norm=norm)
+    assert m.reduce() is None
+    (packed,) = fake_reduce
+    assert packed.device == meta
+    assert packed.shape == (len(_FIELDS),) and packed.dtype == torch.float64
+
+
+def test_reduce_values_on_rank0(fake_reduce, monkeypatch):
+    monkeypatch.setattr(comm, "rank", lambda group=None: 0)
+    m = IntervalMetrics(torch.device("cpu"))
+    m.add(torch.tensor(1.0), torch.tensor(32.0), 64, 0.5, samples=8, grad_norm=torch.tensor(2.0))
+    m.add(torch.tensor(3.0), torch.tensor(16.0), 64, 1.5, samples=8, grad_norm=torch.tensor(4.0))
+    out = m.reduce()
+    (packed,) = fake_reduce
+    sums = dict(zip(_FIELDS, packed.tolist(), strict=True))
+    assert sums["loss_sum"] == 256.0 and sums["correct"] == 48.0 and sums["steps"] == 2
+    assert out["train/loss"] == 2.0
+    assert out["train/accuracy"] == 48 / 128
+    assert out["train/grad_norm"] == 3.0
+    assert out["perf/step_time_s"] == 1.0
+    assert out["perf/samples_per_s"] == 16 / 2.0
