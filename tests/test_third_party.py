@@ -116,12 +116,21 @@ def _slices(env, kind: str):
         yield x[env.rank * b : (env.rank + 1) * b], y[env.rank * b : (env.rank + 1) * b]
 
 
-def _ours(env, kind: str, mode: str) -> tuple[dict, list[str]]:
+def _frozen_first_layer(model: nn.Module) -> nn.Module:
+    """Fine-tuning that freezes a whole layer: under the default policy an fsdp unit with
+    no parameter to shard (frozen ones stay whole on every rank)."""
+    for p in model.transformer.h[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _ours(env, kind: str, mode: str, frozen: bool = False) -> tuple[dict, list[str]]:
     from trainer.parallel import build_engine
 
     # A fresh model per engine (fsdp empties the module's parameters), built with a
     # rank-dependent seed: rank 0's values must reach every rank at construction.
-    engine = build_engine(build(kind, seed=env.rank), mode, sgd)
+    model = build(kind, seed=env.rank)
+    engine = build_engine(_frozen_first_layer(model) if frozen else model, mode, sgd)
     for x, y in _slices(env, kind):
         out = engine(x)
         engine.backward(loss_of(out, y))
@@ -130,9 +139,10 @@ def _ours(env, kind: str, mode: str) -> tuple[dict, list[str]]:
     return engine.full_state_dict(), units
 
 
-def _torch_ddp(env, kind: str) -> dict:
-    ddp = nn.parallel.DistributedDataParallel(build(kind, seed=env.rank))
-    opt = sgd(ddp.parameters())
+def _torch_ddp(env, kind: str, frozen: bool = False) -> dict:
+    model = build(kind, seed=env.rank)
+    ddp = nn.parallel.DistributedDataParallel(_frozen_first_layer(model) if frozen else model)
+    opt = sgd([p for p in ddp.parameters() if p.requires_grad])
     for x, y in _slices(env, kind):
         loss_of(ddp(x), y).backward()
         opt.step()
@@ -147,6 +157,8 @@ def _train_all(env) -> dict:
         out[kind, "torch"] = _torch_ddp(env, kind)
         for mode in MODES:
             out[kind, mode] = _ours(env, kind, mode)
+    out["gpt2 frozen", "torch"] = _torch_ddp(env, "gpt2", frozen=True)
+    out["gpt2 frozen", "fsdp"] = _ours(env, "gpt2", "fsdp", frozen=True)
     return out
 
 
@@ -205,3 +217,16 @@ def test_trains_as_torch_ddp(trained, kind, mode):
         moved = _max_diff(want, init)
         assert moved > 1e-3, (kind, moved)  # training did change the weights
         assert _max_diff(got, trained[0][kind, mode][0]) == 0.0  # every rank: one model
+
+
+@pytest.mark.slow
+def test_a_frozen_layer_is_an_empty_unit_and_stays_put(trained):
+    init = build("gpt2", seed=0).state_dict()
+    for res in trained:
+        got, units = res["gpt2 frozen", "fsdp"]
+        want = res["gpt2 frozen", "torch"]
+        assert units == ["<root>", *LAYERS["gpt2"]]
+        assert _max_diff(got, want) <= 1e-6  # the same bound as above
+        for k in got:
+            if k.startswith("transformer.h.0."):
+                assert torch.equal(got[k], init[k]), k
