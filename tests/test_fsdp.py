@@ -20,7 +20,7 @@ from reference import (
 from torch import nn
 
 from trainer.flat import FlatLayout
-from trainer.models import GPT, MLP
+from trainer.models import GPT, MLP, SmallCNN
 from trainer.parallel.units import plan_units
 
 STEPS, BATCH = 2, 8
@@ -56,16 +56,50 @@ def test_units_by_class_and_by_size():
     blocks = [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
     assert _unit_names(resnet) == [""] + blocks
     assert {n.split(".")[0] for n, _ in plan_units(resnet)[0].params} == {"conv1", "bn1", "fc"}
-    # A ModuleList has no forward of its own, so its layers become units one by one.
+    # The repeated Linears of a ModuleList become units whatever their size; the head,
+    # alone of its kind, only by size.
     mlp = MLP(in_dim=32, hidden=16, depth=3)
-    assert _unit_names(mlp, min_unit_params=100) == ["", "layers.0", "layers.1", "layers.2"] + [
-        "head"
+    layers = ["layers.0", "layers.1", "layers.2"]
+    assert _unit_names(mlp) == ["", *layers]  # 1.4k parameters, far below min_unit_params
+    assert _unit_names(mlp, min_unit_params=100) == ["", *layers, "head"]
+    # Without the repetition rule, the size rule alone: a ModuleList has no forward of its
+    # own, so its layers become units one by one once they are large enough.
+    assert _unit_names(mlp, repeated_children=False) == [""]
+    assert _unit_names(mlp, repeated_children=False, min_unit_params=100) == [
+        "",
+        *layers,
+        "head",
     ]
-    assert _unit_names(mlp) == [""]  # 1.4k parameters: below the default threshold
-    # Configured by class name, as conf/mode/fsdp.yaml does.
+    # Repeated classes without a class rule: ConvBlocks in a ModuleList, the resnet's
+    # BasicBlocks in their Sequentials (the same units as by class).
+    assert _unit_names(SmallCNN()) == ["", "blocks.0", "blocks.1"]
+    assert _unit_names(resnet, unit_classes=[]) == [""] + blocks
+    # Configured by class name, as conf/mode/fsdp.yaml does. A named class wins over the
+    # repetition of the Blocks that hold it: the cut is finer, not nested.
     assert _unit_names(gpt, unit_classes=["FeedForward"], min_unit_params=10**9) == [""] + [
         f"blocks.{i}.mlp" for i in range(3)
     ]
+    # Without a named class, the repeated Blocks are units, their inner Linears are not
+    # (the outermost repetition takes the whole layer), however low min_unit_params is.
+    assert _unit_names(gpt, unit_classes=[], min_unit_params=250) == ["", "wte"] + [
+        f"blocks.{i}" for i in range(3)
+    ] + ["lm_head"]
+
+
+def test_repeated_children_need_parameters_and_a_forward():
+    # Two ReLUs (no parameters) and two ModuleLists (no forward: searched instead) are not
+    # units; the Linears inside the ModuleLists repeat and are. The lone Linear is not.
+    model = nn.Sequential(
+        nn.Linear(3, 4),
+        nn.ReLU(),
+        nn.ReLU(),
+        nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]),
+        nn.ModuleList([nn.Conv1d(1, 1, 1)]),
+    )
+    assert _unit_names(model) == ["", "3.0", "3.1"]
+    # A module registered twice in one list is one child, not a repetition.
+    shared = nn.Linear(2, 2)
+    assert _unit_names(nn.Sequential(shared, shared, nn.LayerNorm(2))) == [""]
 
 
 def test_tied_and_shared_parameters_go_to_the_common_unit():
@@ -81,10 +115,16 @@ def test_tied_and_shared_parameters_go_to_the_common_unit():
     model = nn.Sequential(
         nn.Sequential(nn.Linear(4, 4), shared), nn.Sequential(shared, nn.Linear(4, 8))
     )
-    plan = plan_units(model, unit_classes=[], min_unit_params=30)
+    plan = plan_units(model, unit_classes=[], min_unit_params=30, repeated_children=False)
     assert [u.name for u in plan] == ["", "0", "1.1"]
     assert [n for n, _ in plan[0].params] == ["0.1.weight"]
     assert sum(len(u.params) for u in plan) == len(list(model.parameters()))
+    # By default the two inner Sequentials repeat: both are units, the shared weight still
+    # goes to the root.
+    plan = plan_units(model, unit_classes=[])
+    assert [u.name for u in plan] == ["", "0", "1"]
+    assert [n for n, _ in plan[0].params] == ["0.1.weight"]
+    assert [n for n, _ in plan[2].params] == ["1.1.weight", "1.1.bias"]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])

@@ -20,7 +20,7 @@ TINY = dict(in_dim=3, hidden=5, depth=2, num_classes=3)
 OPTIONS = {
     "ddp": {},  # one 25 MB bucket
     "zero": {},
-    # layers.1 (30 >= 25 params) becomes a unit; the root keeps layers.0 and head (38)
+    # layers.0 and layers.1 become units (repeated Linears); the root keeps head (18)
     "fsdp": {"min_unit_params": 25},
 }
 
@@ -40,11 +40,12 @@ HAND = {
     # keeps the (68/P,) mean gradient of its slice and moments for it, one step counter.
     ("zero", 2): _bytes(272, 34 * 4, 2 * 34 * 4 + 4),
     ("zero", 4): _bytes(272, 17 * 4, 2 * 17 * 4 + 4),
-    # Flat units padded to a multiple of P; rank r keeps one shard of each.
-    # P=2: root 38 -> shard 19, layers.1 30 -> shard 15: 34 elements.
-    ("fsdp", 2): _bytes(34 * 4, 34 * 4, 2 * 34 * 4 + 2 * 4),
-    # P=4: root 38 -> 40 -> shard 10, layers.1 30 -> 32 -> shard 8: 18 elements.
-    ("fsdp", 4): _bytes(18 * 4, 18 * 4, 2 * 18 * 4 + 2 * 4),
+    # Flat units padded to a multiple of P; rank r keeps one shard of each, and one step
+    # counter per shard. P=2: root 18 -> shard 9, layers.0 20 -> 10, layers.1 30 -> 15:
+    # 34 elements.
+    ("fsdp", 2): _bytes(34 * 4, 34 * 4, 2 * 34 * 4 + 3 * 4),
+    # P=4: root 18 -> 20 -> shard 5, layers.0 20 -> 5, layers.1 30 -> 32 -> 8: 18 elements.
+    ("fsdp", 4): _bytes(18 * 4, 18 * 4, 2 * 18 * 4 + 3 * 4),
 }
 
 
@@ -63,8 +64,8 @@ HAND_BF16 = {
     ("zero", 2): _bf16(136, 34 * 4, 34 * 4, 2 * 34 * 4 + 4),
     ("zero", 4): _bf16(136, 17 * 4, 17 * 4, 2 * 17 * 4 + 4),
     # fp32 shards as in fp32 (34 and 18 elements, see HAND); bf16 units only while used
-    ("fsdp", 2): _bf16(34 * 4, 0, 34 * 4, 2 * 34 * 4 + 2 * 4),
-    ("fsdp", 4): _bf16(18 * 4, 0, 18 * 4, 2 * 18 * 4 + 2 * 4),
+    ("fsdp", 2): _bf16(34 * 4, 0, 34 * 4, 2 * 34 * 4 + 3 * 4),
+    ("fsdp", 4): _bf16(18 * 4, 0, 18 * 4, 2 * 18 * 4 + 3 * 4),
 }
 
 # A model where the formulas dominate (Ψ = 142,602): measured within 10% of them.

@@ -88,7 +88,8 @@ def _checkpoint_models(flag: bool) -> dict[str, tuple[nn.Module, dict]]:
     cnn = SmallCNN(in_channels=3, num_classes=OUT, width=4, activation_checkpointing=flag)
     torch.manual_seed(0)
     mlp = MLP(in_dim=IN, hidden=16, depth=3, num_classes=OUT, activation_checkpointing=flag)
-    # fsdp: Blocks are units by class; each ConvBlock / hidden Linear has >= 100 params
+    # fsdp: Blocks are units by class, ConvBlocks and hidden Linears by repetition. (By
+    # size alone, >= 100 params, the Linears too, but of a ConvBlock only its conv.)
     units = {"min_unit_params": 100}
     return {"gpt": (gpt, {}), "cnn": (cnn, units), "mlp": (mlp, units)}
 
