@@ -156,12 +156,16 @@ def test_what_a_checkpoint_holds(saved):
     for g in layout["groups"]:  # rank r holds [r*S, (r+1)*S) of the padded bucket
         s = g["padded_numel"] // 2
         assert g["sharded"] and g["ranges"] == [[0, s], [s, 2 * s]]
-    # Each rank wrote its own shard with its optimizer state, step counters included.
+    # Each rank wrote its own shard with its optimizer state, step counters included: one
+    # per parameter that reaches into the rank's slice.
     for r in (0, 1):
         shard = load("zero", f"rank{r}.pt")
         sizes = [g["padded_numel"] // 2 for g in layout["groups"]]
         assert [t.numel() for t in shard["params"]] == sizes
-        assert all(int(o["scalar"]["step"]) == 6 for o in shard["optim"])
+        steps = [int(c["step"]) for o in shard["optim"] for c in o["scalar"].values()]
+        assert steps and all(s == 6 for s in steps)
+        names = {n for g in layout["groups"] for n in g["names"]}
+        assert all(o["scalar"].keys() <= names for o in shard["optim"])
         assert {"torch", "python", "numpy"} <= shard["rng"].keys()
     # ddp writes its model once: rank 1's file holds its RNG states only.
     ddp0, ddp1 = load("ddp", "rank0.pt"), load("ddp", "rank1.pt")

@@ -106,13 +106,14 @@ class Handle:
         keep: Sequence[torch.Tensor] = (),
         *,
         start: torch.cuda.Event | None = None,
+        group: dist.ProcessGroup | None = None,
     ):
         self._t0 = time.perf_counter()
         self._keep = keep  # CUDA: tensors the comm stream uses, alive until wait()
         self._account = _accounting
         self._end = None
         if keep and _is_cuda(keep[0]):
-            self._end = _finish_on_comm_stream(work, post, keep[0].device, start)
+            self._end = _finish_on_comm_stream(work, post, keep[0].device, start, group)
             work = post = None
         self._work = work
         self._post = post
@@ -148,8 +149,11 @@ class Handle:
 
 
 # [Note: communication streams]
-# On CUDA every collective runs on one dedicated stream per device, never on the compute
-# stream, so kernels of backward keep running while gradients travel:
+# On CUDA every collective runs on a dedicated stream per device and process group, never
+# on the compute stream, so kernels of backward keep running while gradients travel (one
+# stream per group: two groups' collectives may be issued in different orders on
+# different ranks, and one stream would then deadlock them, see fsdp.py's [Note: one
+# collective order on every rank]):
 #   launch: the comm stream first waits for the compute stream (the data it sends was
 #           written there), then the collective is enqueued on it; `record_stream` tells
 #           the caching allocator that these tensors are in use on the comm stream, and the
@@ -176,7 +180,7 @@ class Handle:
 _cuda = torch.cuda
 
 _MAX_PENDING = 1024
-_streams: dict[torch.device, torch.cuda.Stream] = {}
+_streams: dict[tuple[torch.device, dist.ProcessGroup | None], torch.cuda.Stream] = {}
 # ("busy" | "exposed", first event, second event), in the order they were recorded
 _pending_timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -185,10 +189,10 @@ def _is_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _comm_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _streams:
-        _streams[device] = _cuda.Stream(device=device)
-    return _streams[device]
+def _comm_stream(device: torch.device, group: dist.ProcessGroup | None = None) -> torch.cuda.Stream:
+    if (device, group) not in _streams:
+        _streams[device, group] = _cuda.Stream(device=device)
+    return _streams[device, group]
 
 
 def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -224,10 +228,11 @@ def _finish_on_comm_stream(
     post: Callable[[], None] | None,
     device: torch.device,
     start: torch.cuda.Event | None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.cuda.Event:
     """CUDA, at launch: order the comm stream after the collective, enqueue the finishing
     step behind it and return the event that marks the result ready."""
-    stream = _comm_stream(device)
+    stream = _comm_stream(device, group)
     with _cuda.stream(stream):
         if work is not None:
             work.wait()  # NCCL: the comm stream waits for NCCL's stream; the CPU does not
@@ -243,20 +248,34 @@ def _finish_on_comm_stream(
 
 
 @contextlib.contextmanager
-def _on_comm_stream(*tensors: torch.Tensor | None):
-    """CUDA: run the enclosed launch on the comm stream, ordered after compute. Yields the
-    launch's start event (CUDA, accounted) or None, for the Handle."""
+def _on_comm_stream(*tensors: torch.Tensor | None, group: dist.ProcessGroup | None = None):
+    """CUDA: run the enclosed launch on the group's comm stream, ordered after compute.
+    Yields the launch's start event (CUDA, accounted) or None, for the Handle."""
     live = [t for t in tensors if t is not None]
     if not live or not _is_cuda(live[0]):
         yield None
         return
-    stream = _comm_stream(live[0].device)
+    stream = _comm_stream(live[0].device, group)
     stream.wait_stream(_cuda.current_stream(stream.device))
     for t in live:
         t.record_stream(stream)
     start = _timing_event(stream) if _accounting else None
     with _cuda.stream(stream):
         yield start
+
+
+_second_groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+
+
+def second_group() -> dist.ProcessGroup:
+    """A second group over all ranks, with the default group's backend, made once per
+    process group: its collectives are matched among themselves only, whatever order they
+    interleave with the default group's on each rank (fsdp's AllGathers, [Note: one
+    collective order on every rank]). Every rank must first call it at the same point."""
+    default = dist.group.WORLD
+    if default not in _second_groups:
+        _second_groups[default] = dist.new_group(backend=dist.get_backend())
+    return _second_groups[default]
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -342,11 +361,11 @@ def all_reduce(
     p = world_size(group)
     plan = _plan(average, tensor, group)
     _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor), account)
-    with _on_comm_stream(tensor) as start:
+    with _on_comm_stream(tensor, group=group) as start:
         if plan.pre != 1:
             tensor.div_(plan.pre)
         work = dist.all_reduce(tensor, op=plan.op, group=group, async_op=True)
-    return Handle(work, _divide(tensor, plan.post), keep=(tensor,), start=start)
+    return Handle(work, _divide(tensor, plan.post), keep=(tensor,), start=start, group=group)
 
 
 def reduce_scatter(
@@ -360,14 +379,14 @@ def reduce_scatter(
     p2p = _p2p_enabled(group)
     plan = _plan(average, input, group, p2p)
     _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input))
-    with _on_comm_stream(output, input) as start:
+    with _on_comm_stream(output, input, group=group) as start:
         if plan.pre != 1:
             input.div_(plan.pre)
         if p2p:  # [Note: p2p collectives on Gloo]
             work = _p2p_reduce_scatter(output, input, group)
         else:
             work = dist.reduce_scatter_single(output, input, op=plan.op, group=group, async_op=True)
-    return Handle(work, _divide(output, plan.post), keep=(output, input), start=start)
+    return Handle(work, _divide(output, plan.post), keep=(output, input), start=start, group=group)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", group=None) -> Handle:
@@ -375,27 +394,27 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", grou
     p = world_size(group)
     _check_split(input, output, p, "all_gather")
     _launch("all_gather", tag, (p - 1) * _nbytes(input))
-    with _on_comm_stream(output, input) as start:
+    with _on_comm_stream(output, input, group=group) as start:
         if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
             work = _p2p_all_gather(output, input, group)
         else:
             work = dist.all_gather_single(output, input, group=group, async_op=True)
-    return Handle(work, keep=(output, input), start=start)
+    return Handle(work, keep=(output, input), start=start, group=group)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, tag: str = "", group=None) -> Handle:
     _launch("broadcast", tag, _nbytes(tensor) if rank(group) == src else 0)
-    with _on_comm_stream(tensor) as start:
+    with _on_comm_stream(tensor, group=group) as start:
         work = dist.broadcast(tensor, src, group=group, async_op=True)
-    return Handle(work, keep=(tensor,), start=start)
+    return Handle(work, keep=(tensor,), start=start, group=group)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, *, tag: str = "", group=None) -> Handle:
     """Sum `tensor` into rank `dst`; other ranks' copies are left undefined."""
     _launch("reduce", tag, _nbytes(tensor))
-    with _on_comm_stream(tensor) as start:
+    with _on_comm_stream(tensor, group=group) as start:
         work = dist.reduce(tensor, dst, group=group, async_op=True)
-    return Handle(work, keep=(tensor,), start=start)
+    return Handle(work, keep=(tensor,), start=start, group=group)
 
 
 def gather(
@@ -442,11 +461,11 @@ def all_to_all(
         row = _nbytes(input) / max(input.shape[0], 1)
         sent = row * (sum(input_splits) - input_splits[rank(group)])
     _launch("all_to_all", tag, sent)
-    with _on_comm_stream(output, input) as start:
+    with _on_comm_stream(output, input, group=group) as start:
         work = dist.all_to_all_single(
             output, input, output_splits, input_splits, group=group, async_op=True
         )
-    return Handle(work, keep=(output, input), start=start)
+    return Handle(work, keep=(output, input), start=start, group=group)
 
 
 def barrier(*, tag: str = "", group=None) -> Handle:

@@ -197,6 +197,7 @@ class FSDPEngine(Engine):
         reshard_after_forward: bool = True,
         unit_classes: Sequence[str] | None = None,
         min_unit_params: int = 100_000,
+        repeated_children: bool = True,
         bucket_mb: float = 25.0,  # accepted so all modes take one config; fsdp sends per unit
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
@@ -206,7 +207,7 @@ class FSDPEngine(Engine):
         super().__init__(module, precision, scaler)
         self.reshard_after_forward = reshard_after_forward
         classes = DEFAULT_UNIT_CLASSES if unit_classes is None else tuple(unit_classes)
-        plans = plan_units(module, classes, min_unit_params)
+        plans = plan_units(module, classes, min_unit_params, repeated_children)
         for plan in plans:  # frozen parameters stay whole on every rank, like buffers
             plan.params = [(n, p) for n, p in plan.params if p.requires_grad]
         tags = ["root"] + [f"unit{i}" for i in range(len(plans) - 1)]
@@ -224,8 +225,16 @@ class FSDPEngine(Engine):
         if self.root.flats:
             self.root.flats[0].extra = len(self._used)
         self._flags: torch.Tensor | None = None  # reduced used-flags of this step
-        self._order = self.units[1:]  # forward order: registration order until recorded
-        self._recording: list[_Unit] = []
+        # [Note: one collective order on every rank]
+        self._schedule = self.units[1:]
+        self._position = {id(u): i for i, u in enumerate(self._schedule)}
+        self._fwd_next = 0  # next scheduled unit to gather in this forward
+        self._bwd_next = self._rs_next = len(self._schedule) - 1  # ... in this backward
+        self._ran: set[int] = set()  # units that ran in this forward
+        # AllGathers on a group of their own: a rank that skips a unit reduces it later in
+        # backward than the others, so AllGathers and ReduceScatters interleave
+        # differently across ranks, while each kind alone keeps one order.
+        self._gather_group = comm.second_group()
         self._reducing: list[tuple[_Flat, comm.Handle, torch.Tensor, ScatterInput]] = []
         self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
         for u in self.units:
@@ -248,7 +257,7 @@ class FSDPEngine(Engine):
                 continue
             f.full.untyped_storage().resize_(f.nbytes)
             shard = f.shard.detach().to(f.full.dtype)  # a cast copy when mixed precision
-            f.gather = comm.all_gather(f.full, shard, tag=f.tag)
+            f.gather = comm.all_gather(f.full, shard, tag=f.tag, group=self._gather_group)
 
     def _wait(self, u: _Unit) -> None:
         for f in u.flats:
@@ -265,25 +274,41 @@ class FSDPEngine(Engine):
                 p.data = f.empty
             f.full.untyped_storage().resize_(0)
 
-    def _next_forward(self, u: _Unit) -> _Unit | None:
-        if u is self.root:
-            i = 0
-        elif u in self._order:
-            i = self._order.index(u) + 1
-        else:  # did not run in the recorded forward: nothing to prefetch
-            return None
-        return self._order[i] if i < len(self._order) else None
+    # [Note: one collective order on every rank]
+    # Ranks may run different units (control flow that depends on the rank or its data:
+    # a layer some ranks skip). Gathering and reducing units as they happen to run would
+    # then give the ranks different sequences of collectives, which pair up wrongly
+    # (equal-size units silently, others with a crash or a hang). So every collective
+    # follows one schedule that all ranks share, the units in registration order:
+    #   forward   each forward gathers every scheduled unit once, in order: a unit about
+    #             to run first gathers the units before it not yet gathered (ones this
+    #             rank skips), then itself, then prefetches the next; the root gathers
+    #             the rest when the forward ends. Skipped units are freed again.
+    #   backward  the same in reverse order: a unit's pre-backward hook gathers the units
+    #             after it not yet gathered, itself and the one before it; the
+    #             end-of-backward callback gathers those no hook reached.
+    #   reduce    ReduceScatters strictly in reverse order, as ddp's buckets: a unit whose
+    #             gradients are done waits for the units after it; those that get no
+    #             gradient are reduced (zeros) from the callback; the root comes last.
+    # A rank that skips a unit thus issues exactly the AllGathers and the ReduceScatters
+    # of a rank that runs it, each kind in the same order (they run on two process groups,
+    # since a skipping rank reduces later and so interleaves the two kinds differently),
+    # and contributes zeros to its gradient, as torch DDP with unused parameters.
+    # What it costs: a model whose forward order differs from registration order gathers
+    # some units earlier than needed; a unit that no rank runs is still gathered. Not
+    # covered: a unit called more often on some ranks than on others after being freed
+    # in between (its extra gathers have no partner).
+    def _gather_forward(self, upto: int) -> None:
+        """Forward: gather scheduled units up to index `upto`, in order."""
+        while self._fwd_next <= min(upto, len(self._schedule) - 1):
+            self._unshard(self._schedule[self._fwd_next])
+            self._fwd_next += 1
 
-    def _next_backward(self, u: _Unit) -> _Unit | None:
-        # Backward runs the recorded forward order in reverse. The root's backward begins
-        # the step (the head after the last unit) and ends it (the embeddings).
-        if u is self.root:
-            i = len(self._order) - 1
-        elif u in self._order:
-            i = self._order.index(u) - 1
-        else:
-            return None
-        return self._order[i] if i >= 0 else None
+    def _gather_backward(self, downto: int) -> None:
+        """Backward: gather scheduled units down to index `downto`, in reverse order."""
+        while self._bwd_next >= max(downto, 0):
+            self._unshard(self._schedule[self._bwd_next])
+            self._bwd_next -= 1
 
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward(self, u: _Unit) -> None:
@@ -293,13 +318,13 @@ class FSDPEngine(Engine):
             comm.record("recompute_begin", u.tag)
             return
         if u is self.root:
-            self._recording = []
-        elif torch.is_grad_enabled():
-            self._recording.append(u)
-        self._unshard(u)
-        nxt = self._next_forward(u)
-        if nxt is not None:
-            self._unshard(nxt)  # prefetch: in flight while `u` computes
+            self._fwd_next, self._ran = 0, set()
+            self._unshard(u)
+            self._gather_forward(0)  # prefetch: in flight while the root computes
+        else:
+            self._ran.add(id(u))
+            self._gather_forward(self._position[id(u)] + 1)  # catch up, u, prefetch
+            self._unshard(u)  # called again after it was freed
         self._wait(u)
         comm.record("forward_begin", u.tag)
 
@@ -308,27 +333,35 @@ class FSDPEngine(Engine):
             comm.record("recompute_end", u.tag)
             return
         comm.record("forward_end", u.tag)
-        if not torch.is_grad_enabled():  # no backward will follow: free everything now
-            for v in [u] if u is not self.root else self.units:
-                self._reshard(v)
-            return
-        outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outs:  # fires once, when the first gradient w.r.t. the unit's outputs exists
-            register_multi_grad_hook(outs, lambda g, u=u: self._pre_backward(u), mode="any")
+        grad = torch.is_grad_enabled()
         if u is self.root:
-            if self._recording:
-                self._order = self._recording
-        elif self.reshard_after_forward:
-            self._reshard(u)
+            self._gather_forward(len(self._schedule))  # units this rank skipped at the end
+        if grad:
+            outs = [
+                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if outs:  # fires once, when the first gradient w.r.t. the unit's outputs exists
+                register_multi_grad_hook(outs, lambda g, u=u: self._pre_backward(u), mode="any")
+        if u is not self.root:
+            if not grad or self.reshard_after_forward:
+                self._reshard(u)
+        elif not grad:  # no backward will follow: free everything now
+            for v in self.units:
+                self._reshard(v)
+        else:  # skipped units: freed as the ranks that ran them freed them (or kept)
+            for v in self._schedule:
+                if id(v) not in self._ran and self.reshard_after_forward:
+                    self._reshard(v)
 
     # -- backward --------------------------------------------------------------------------
     def _pre_backward(self, u: _Unit) -> None:
         self._begin_backward()
         comm.record("backward_begin", u.tag)
-        self._unshard(u)
-        prev = self._next_backward(u)
-        if prev is not None:
-            self._unshard(prev)  # prefetch: in flight while `u` computes its backward
+        if u is self.root:
+            self._gather_backward(len(self._schedule) - 1)  # prefetch the last unit
+        else:
+            self._gather_backward(self._position[id(u)] - 1)  # catch up, u, prefetch
+            self._unshard(u)
         self._wait(u)
 
     def _on_grad(self, u: _Unit, p: nn.Parameter) -> None:
@@ -340,19 +373,25 @@ class FSDPEngine(Engine):
             self._grads_done(u)
 
     def _grads_done(self, u: _Unit) -> None:
-        """All of `u`'s gradients exist: free its parameters and ReduceScatter its grads."""
+        """All of `u`'s gradients exist (or none will come): free its parameters, then
+        reduce its gradients in schedule order, or keep them under no_sync."""
         u.done = True
         comm.record("grads_ready", u.tag)
-        if not self._sync or not u.params:
+        self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
+        if not self._sync:
             # no_sync: full gradients stay on the module parameters and keep accumulating
             # over micro-batches (in the reduce dtype when the parameters compute in a
             # lower one); the next synced backward reduces the sum.
             for f in u.flats:
                 for p in f.params:
                     self._sums.add(p, f.reduce_dtype)
-            self._reshard(u)
-            return
-        self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
+        elif u is not self.root:
+            while self._rs_next >= 0 and self._schedule[self._rs_next].done:
+                self._reduce(self._schedule[self._rs_next])
+                self._rs_next -= 1
+
+    def _reduce(self, u: _Unit) -> None:
+        """ReduceScatter (average) `u`'s gradients into its shards' gradients."""
         for f in u.flats:
             flat = ScatterInput(f.layout, f.world_size, f.extra, f.reduce_dtype, f.full.device)
             for i, p in enumerate(f.params):
@@ -379,12 +418,15 @@ class FSDPEngine(Engine):
             f.shard_grad.add_(reduced)
 
     def _finish_backward(self) -> None:
-        # Units that missed a gradient (a parameter unused this step, a unit that did not
-        # run) and the root are handled here, in unit order, the root last, so every rank
-        # issues the same collectives.
-        for u in self.units[1:] + [self.root]:
+        # [Note: one collective order on every rank]: units no hook reached are gathered
+        # and reduced here, in schedule order, and the root (which carries the used-flags)
+        # last, so every rank issues the same collectives.
+        self._gather_backward(0)
+        for u in self._schedule + [self.root]:
             if not u.done:
                 self._grads_done(u)
+        if self._sync:
+            self._reduce(self.root)
         while self._reducing:
             self._finish_reduce()
         if self._sync:
@@ -395,8 +437,9 @@ class FSDPEngine(Engine):
                 pieces.hand_out(f.pieces, f.shard_grad, unused)
             self._flags = None
         for u in self.units:
-            self._reshard(u)  # prefetched but unused units too
+            self._reshard(u)
             u.ready, u.done = 0, False
+        self._bwd_next = self._rs_next = len(self._schedule) - 1
 
     def _flags_alone(self) -> torch.Tensor:
         flags = torch.empty(len(self._used), device=self._device())
