@@ -64,7 +64,11 @@ class Unused(OddMLP):
 MODELS = {"mlp": OddMLP, "buffer": WithBuffer, "bn": WithBatchNorm, "unused": Unused}
 
 OPTIMIZERS = {
-    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01),
+    # eps 1e-3, not AdamW's 1e-8: with 1e-8 a parameter whose true gradient is 0 (an
+    # attention key bias: softmax ignores it) divides rounding noise by its own magnitude
+    # and takes lr-sized steps of random sign, so another summation order (world size,
+    # another CPU's SIMD kernels) moves it by ~lr. With 1e-3 that noise moves it by ~1e-5 lr.
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01, eps=1e-3),
     "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
 }
 
