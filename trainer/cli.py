@@ -28,8 +28,18 @@ GROUPS = ("mode", "model", "data", "optim")
 def fail(message: str, code: int = 2) -> None:
     # Every rank sees the same bad input; one line from rank 0 is enough.
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr)
+        say(f"error: {message}")
     sys.exit(code)
+
+
+def say(line: str) -> None:
+    """One line on stderr, on a line of its own: a progress bar still drawn (it ends in
+    a carriage return, not a newline) is closed first."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_group_choices(args: list[str]) -> None:
@@ -86,7 +96,7 @@ def run_and_exit(cfg: DictConfig) -> None:
     try:
         train(cfg)
     except PeerError as e:  # said by whichever rank noticed, not by rank 0 alone
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         sys.exit(1)
     except ConfigError as e:
         fail(str(e))

@@ -210,9 +210,7 @@ def save_final_model(engine, path: Path, is_rank0: bool) -> None:
     """The full model state_dict, loadable with plain torch.load(weights_only=True)."""
     state = engine.full_state_dict()  # a collective in sharded modes: every rank calls it
     if is_rank0:
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # never a half-written file under the final name
+        checkpoint.write_file(path, state)  # never a half-written file under the final name
 
 
 def _run_name(cfg: DictConfig, env: tdist.DistEnv) -> str:
