@@ -92,9 +92,14 @@ def run_and_exit(cfg: DictConfig) -> None:
     if cfg.launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_workers(cfg)
     from trainer.loop import train
+    from trainer.preempt import EXIT_CODE, Stopped
 
     try:
         train(cfg)
+    except Stopped as e:  # a checkpoint is written; the job can be run again to resume
+        if int(os.environ.get("RANK", "0")) == 0:
+            say(str(e))
+        sys.exit(EXIT_CODE)
     except PeerError as e:  # said by whichever rank noticed, not by rank 0 alone
         say(f"error: {e}")
         sys.exit(1)
@@ -112,6 +117,8 @@ def _launch_workers(cfg: DictConfig) -> None:
     """Run this job as `cfg.launcher.nproc` local processes (torchrun --standalone)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from trainer.preempt import EXIT_CODE
 
     # The workers speak for themselves; the agent's own failure log would repeat them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -135,4 +142,6 @@ def _launch_workers(cfg: DictConfig) -> None:
         codes = sorted({f.exitcode for f in e.failures.values()})
         if 2 in codes:  # bad input: the workers' rank 0 has already said what
             sys.exit(2)
+        if codes == [EXIT_CODE]:  # stopped by SIGTERM with a checkpoint; rank 0 said so
+            sys.exit(EXIT_CODE)
         fail(f"{hc.job.name} workers failed with exit code(s) {codes}; see their messages above")
