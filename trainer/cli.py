@@ -19,6 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
+from trainer import schema  # noqa: F401  (registers the config's types with Hydra)
 from trainer.errors import ConfigError, PeerError, TrainingError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -79,7 +80,10 @@ def check_run_dir(args: list[str]) -> None:
                 return_hydra_config=True,
             )
         except ConfigCompositionException as e:  # "Could not override 'mode.foo'. ..."
-            fail(" ".join(str(e).split()))
+            cause = str(e.__cause__ or "").strip().splitlines()
+            # A wrong type (trainer/schema.py): the override, then OmegaConf's reason.
+            reason = f": {cause[0]}" if cause and "Error merging" in str(e) else ""
+            fail(" ".join(str(e).split()).replace("Error merging override ", "") + reason)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     path = Path(cfg.hydra.run.dir).absolute()
