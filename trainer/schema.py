@@ -27,7 +27,7 @@ class Train:
 @dataclass
 class Dist:
     backend: str = "auto"
-    timeout_s: float = 600.0
+    timeout_s: int = 600  # whole seconds: dist.py names it as given
 
 
 @dataclass
