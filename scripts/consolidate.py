@@ -11,16 +11,13 @@ The output loads with plain `torch.load(path, weights_only=True)` into the model
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import checkpoint  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
+from trainer.errors import ConfigError, TrainingError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,10 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, args.out)  # never a half-written file under the final name
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_file(args.out, state)  # never a half-written file under the final name
+    except OSError as e:
+        print(f"error: cannot write {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     numel = sum(t.numel() for t in state.values())
     print(f"{path} -> {args.out}: {len(state)} tensors, {numel} elements")
     return 0

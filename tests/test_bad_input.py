@@ -32,6 +32,19 @@ CASES = [
     (["mode.reduce_dtype=int8"], 2, 2, "mode.reduce_dtype='int8' is not one of fp32, bf16"),
     (["precision=fp16", "loss_scale.init_scale=0"], None, 2, "loss_scale.init_scale=0 must"),
     (["mode=fsdp", "mode.foo=1"], 2, 2, "Could not override 'mode.foo'"),
+    (["optim.lr=nan"], None, 2, "optim.lr=nan must be a positive number"),
+    (["optim.weight_decay=-1"], None, 2, "optim.weight_decay=-1 must be a number >= 0"),
+    (["train.steps=1.5"], None, 2, "train.steps=1.5: Value '1.5' of type 'float' could not be"),
+    (["train.steps=1e2"], None, 2, "train.steps=1e2: Value '100.0' of type 'float' could not"),
+    (["seed=abc"], None, 2, "seed=abc: Value 'abc' of type 'str' could not be converted"),
+    (["seed=1e30"], None, 2, "seed=1e30: Value '1e+30' of type 'float' could not be"),
+    (["seed=-1"], None, 2, "seed=-1 must be a whole number from 0 to 4294967295"),
+    (["dist.timeout_s=-1"], None, 2, "dist.timeout_s=-1 must be a positive number"),
+    (["dist.timeout_s=0"], None, 2, "dist.timeout_s=0 must be a positive number"),
+    (["model.hidden=0"], None, 2, "model.hidden=0 must be a whole number >= 1"),
+    (["model=cnn", "data=images", "model.width=0"], None, 2, "model.width=0 must be a whole"),
+    (["mode=fsdp", "mode.min_unit_params=-1"], None, 2, "mode.min_unit_params=-1 must be"),
+    (["launcher.nproc=0"], None, 2, "launcher.nproc=0 must be a whole number >= 1"),
 ]
 
 

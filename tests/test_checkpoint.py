@@ -5,6 +5,7 @@ torchrun, and a hung rank reported within dist.timeout_s."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import struct
@@ -108,9 +109,9 @@ def test_stop_and_resume_is_bitwise_equal(saved, mode):
     for k in want:
         assert torch.equal(got[k], want[k]), k
     # keep=2: the older checkpoint went once the newer two were complete.
-    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_000004", "step_000006"]
+    assert sorted(p.name for p in (root / "ckpt").glob("step_*")) == ["step_000004", "step_000006"]
     names = sorted(p.name for p in (root / "ckpt" / "step_000006").iterdir())
-    assert names == ["meta.pt", "rank0.pt", "rank1.pt"]
+    assert names == ["COMPLETE", "meta.pt", "rank0.pt", "rank1.pt"]
 
 
 @pytest.mark.parametrize(
@@ -289,7 +290,14 @@ def test_bad_checkpoints_are_named_and_left_alone(saved, tmp_path):
     assert all("\n" not in e for e in errors.values())
     assert unchanged, "a failed load changed the engine"
     assert resumed == 4
-    assert (_snapshot(tmp_path), _snapshot(zero)) == before, "a load touched the disk"
+    # resume=auto took the directory over: it names the lineage it continues, nothing else
+    after = _snapshot(tmp_path), _snapshot(zero)
+    assert (auto / "lineage").read_text() == json.loads(
+        (auto / "step_000004" / "COMPLETE").read_text()
+    )["run"]
+    for snap in (before[0], after[0]):
+        snap.pop("auto"), snap.pop("auto/lineage", None)
+    assert after == before, "a load touched the disk"
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,7 +356,7 @@ def test_killed_rank_restarts_and_ends_equal(uninterrupted, tmp_path, fault):
     assert got.keys() == uninterrupted.keys()
     for k in got:
         assert torch.equal(got[k], uninterrupted[k]), k
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert ckpts == ["step_000006", "step_000008"]  # the unfinished save was cleared away
 
 

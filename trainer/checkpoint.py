@@ -13,6 +13,11 @@ One directory per checkpoint under `ckpt.dir` (default `<run dir>/checkpoints`):
       rank0.pt   this rank's slice of every sharded group (zero buckets, fsdp units) and
       rank1.pt   its optimizer state; rank 0 also holds unsharded groups (ddp's whole
       ...        model: ddp writes it once); every rank's RNG states; checksum
+      COMPLETE   written last (JSON: step, save id, run lineage): only a directory
+                 holding it counts as a checkpoint, as torch.distributed.checkpoint's
+                 `.metadata`
+    lineage      (beside the step directories) the id of the run that owns them: a
+                 fresh run starts a new lineage, a resumed one continues its checkpoint's
 
 Every file holds plain tensors and Python values only: `torch.load(weights_only=True)`
 reads it, and that is the only way this module loads one. Each carries a CRC32 over its
@@ -20,11 +25,21 @@ contents, so a truncated or corrupted file is named rather than silently loaded.
 
 [Note: atomic checkpoints]
 All ranks write into `step_000120.tmp-<id>/` and fsync their files; they then agree (one
-small AllReduce) that every rank succeeded; rank 0 fsyncs the directory, renames it to
-`step_000120` (atomic on one filesystem) and fsyncs the parent. Only a directory with a
-final name and all of its files counts as a checkpoint, so a crash at any moment leaves
-the previous checkpoint complete and the partial one ignored; it is removed by the next
-successful save. `ckpt.keep` prunes older checkpoints only after the new one is in place.
+small AllReduce) that every rank succeeded; rank 0 fsyncs the directory, writes `COMPLETE`
+into it, renames it to `step_000120` (atomic on one filesystem) and fsyncs the parent.
+Only a directory with a final name and a `COMPLETE` marker counts as a checkpoint, so a
+crash at any moment leaves the previous checkpoint complete and the partial one ignored;
+it is removed by the next successful save. `ckpt.keep` prunes older checkpoints only
+after the new one is in place, each by renaming it away first (atomic) and deleting it
+after: a kill while pruning never leaves a final-named partial checkpoint.
+
+[Note: run lineage]
+Checkpoints under one `ckpt.dir` belong to one run and the runs that resumed it. A fresh
+run (resume=null) refuses a directory that already holds checkpoints, instead of writing
+its own steps between another run's; resume=auto takes only checkpoints of the lineage
+named in `ckpt.dir/lineage`; resume=PATH continues PATH's lineage and refuses a
+`ckpt.dir` that holds another's. Two processes never share a directory at the same time:
+trainer/rundir.py locks it for the run.
 `ckpt.dir` must be a filesystem that every rank sees (one machine, or a shared mount).
 
 [Note: re-cutting shards]
@@ -42,14 +57,18 @@ the other mode may round differently.
 Tests kill or stall a rank at a chosen point through the environment:
 SHARDTRAIN_FAULT="RANK:STEP:ACTION" with ACTION `kill` (SIGKILL after that step),
 `hang` (stop answering after that step) or `kill_in_save` (SIGKILL halfway through
-writing its file of that step's checkpoint). With SHARDTRAIN_FAULT_ONCE=PATH it fires
+writing its file of that step's checkpoint) or `kill_in_prune` (SIGKILL halfway through
+removing the checkpoint that step's save prunes). With SHARDTRAIN_FAULT_ONCE=PATH it fires
 only while PATH does not exist (creating it), so a restarted group runs on undisturbed.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import math
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -67,6 +86,7 @@ from trainer import comm
 from trainer.errors import ConfigError, TrainingError
 
 FORMAT = 2  # 2: optimizer step counters per parameter name
+MARKER, LINEAGE = "COMPLETE", "lineage"
 FAULT_ENV, FAULT_ONCE_ENV = "SHARDTRAIN_FAULT", "SHARDTRAIN_FAULT_ONCE"
 
 
@@ -89,12 +109,15 @@ def check_config(cfg: DictConfig) -> None:
 # Saving
 
 
-def maybe_save(cfg: DictConfig, engine, run_dir: Path, step: int, **stateful: Any) -> Path | None:
-    """After optimizer step `step`: save every `ckpt.every` steps and at the last step.
-    `stateful` objects (the sampler, a scheduler) are saved through their state_dict()."""
+def maybe_save(
+    cfg: DictConfig, engine, run_dir: Path, step: int, force: bool = False, **stateful: Any
+) -> Path | None:
+    """After optimizer step `step`: save every `ckpt.every` steps, at the last step, and
+    when `force` (a stop on SIGTERM). `stateful` objects (the sampler, a scheduler) are
+    saved through their state_dict()."""
     _fault("step", step)
     every, last = cfg.ckpt.every, cfg.train.steps
-    if step != last and not (every and step % every == 0):
+    if not force and step != last and not (every and step % every == 0):
         return None
     directory = checkpoint_dir(cfg, run_dir)
     return save(directory, step, engine, OmegaConf.to_yaml(cfg), cfg.ckpt.keep, **stateful)
@@ -132,6 +155,7 @@ def save(
             if rank == 0:
                 meta = {
                     **header,
+                    "run": _lineage(directory),
                     "config": config,
                     "optimizer": type(engine.optimizer).__name__,
                     "optim_hparams": state["optim_hparams"],
@@ -147,6 +171,9 @@ def save(
                 shutil.rmtree(tmp, ignore_errors=True)
             raise TrainingError(error)
         if rank == 0:
+            # Every rank's file is written and fsynced (the agreement above): mark it.
+            marker = {"step": step, "id": save_id, "run": _lineage(directory)}
+            _write_text(tmp / MARKER, json.dumps(marker))
             _commit(tmp, final)
             _prune(directory, keep, step)
         comm.barrier(tag="checkpoint").wait()
@@ -155,8 +182,75 @@ def save(
 
 def _write(path: Path, obj: dict[str, Any]) -> None:
     obj["checksum"] = _checksum(obj)
-    with open(path, "wb") as f:
-        torch.save(obj, f)
+    write_file(path, obj, atomic=False)  # atomic already: the directory is renamed
+
+
+def write_file(path: Path, obj: Any, atomic: bool = True) -> None:
+    """torch.save `obj` to `path` and fsync it. `atomic`: through `<path>.tmp`, renamed
+    at the end. A failed write leaves no partial or temporary file and raises
+    TrainingError; a full disk is named as such (torch itself says only
+    `[enforce fail at inline_container.cc:672] . unexpected pos 5952 vs 5846`)."""
+    path = Path(path)
+    target = path.with_name(path.name + ".tmp") if atomic else path
+    sink = None
+    try:
+        with open(target, "wb") as f:
+            sink = _Sink(f)
+            torch.save(obj, sink)
+            f.flush()
+            os.fsync(f.fileno())
+        if atomic:
+            os.replace(target, path)
+    except (OSError, RuntimeError) as e:
+        target.unlink(missing_ok=True)
+        cause = next((x for x in (e, e.__context__, sink and sink.error) if _is_full(x)), None)
+        if cause is not None:
+            raise TrainingError(
+                f"no space left on device writing {path} (it needs about "
+                f"{_megabytes(_tensor_bytes(obj))}; free some, or set a ckpt.dir with room)"
+            ) from None
+        raise TrainingError(f"cannot write {path}: {_line(e)}") from None
+
+
+class _Sink:
+    """The file torch.save writes through: keeps the OSError of a failed write, which
+    torch replaces with a message of its own ("unexpected pos ...")."""
+
+    def __init__(self, f) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _is_full(e: BaseException | None) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} kB"
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
@@ -175,13 +269,17 @@ def _commit(tmp: Path, final: Path) -> None:
 
 def _prune(directory: Path, keep: int, step: int) -> None:
     """Remove leftovers of interrupted saves, then all but the newest `keep` complete
-    checkpoints up to `step` (newer ones belong to a run this one resumed before)."""
-    for leftover in [*directory.glob("step_*.tmp-*"), *directory.glob("step_*.old-*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
+    checkpoints up to `step` (newer ones belong to a run this one resumed before). Each
+    goes by an atomic rename out of the final names first ([Note: atomic checkpoints])."""
     if keep:
         done = [p for p in find_checkpoints(directory) if _step_of(p) <= step]
         for p in done[keep:]:
-            shutil.rmtree(p, ignore_errors=True)
+            old = p.with_name(f"{p.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(p, old)
+            _fault("prune", step, old)
+        _fsync_dir(directory)
+    for leftover in [*directory.glob("step_*.tmp-*"), *directory.glob("step_*.old-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -197,13 +295,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def find_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoints under `directory`, newest first: directories with a final name (a save
-    renames its directory only once every file is written) and a meta.pt. load() checks
-    that every file is there and intact."""
+    """Checkpoints under `directory`, newest first: directories with a final name and
+    the marker a save writes last. load() checks that every file is there and intact."""
     found = [
-        p
-        for p in Path(directory).glob("step_*")
-        if p.name[5:].isdigit() and (p / "meta.pt").is_file()
+        p for p in Path(directory).glob("step_*") if p.name[5:].isdigit() and _marker(p) is not None
     ]
     return sorted(found, key=_step_of, reverse=True)
 
@@ -212,44 +307,178 @@ def _step_of(path: Path) -> int:
     return int(path.name[5:])
 
 
+def _marker(path: Path) -> dict[str, Any] | None:
+    """The COMPLETE marker of checkpoint `path`, or None when it has none (unfinished)."""
+    try:
+        marker = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _lineage(directory: Path) -> str | None:
+    """The run lineage that owns `directory` ([Note: run lineage]); None if unclaimed."""
+    try:
+        return (Path(directory) / LINEAGE).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int:
     """Load the checkpoint `resume` names and return its step, or 0 to start afresh.
 
-    resume=auto: the newest complete checkpoint under ckpt.dir that loads (a newer one
-    that does not is skipped, with a warning naming the file). resume=PATH: that
-    checkpoint, or an error. resume=null: start afresh, except in a group torchrun has
-    restarted (TORCHELASTIC_RESTART_COUNT > 0), which resumes as with auto.
+    resume=auto: the newest complete checkpoint of this directory's lineage under
+    ckpt.dir that loads (a newer one that does not is skipped, with a warning naming the
+    file); none: one line says so and the run starts from step 0. resume=PATH: that
+    checkpoint, or an error. resume=null: start afresh into a ckpt.dir without
+    checkpoints, except in a group torchrun has restarted (TORCHELASTIC_RESTART_COUNT >
+    0), which resumes as with auto. Values given on the command line win over the
+    checkpoint's (optimizer hyperparameters, schedule); one line names those that differ.
     """
     check_config(cfg)
     choice = cfg.get("resume")
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if choice is None and restarted:
         choice = "auto"
-    if choice is None:
-        return 0
     directory = checkpoint_dir(cfg, run_dir)
+    if choice is None:
+        _agree(_claim, directory, None)
+        return 0
     if str(choice) != "auto":
-        step = load(Path(str(choice)), engine, **stateful)
-        _say(f"resumed from {choice} at step {step}")
-        return step
-    found: list[Any] = [find_checkpoints(directory) if comm.rank() == 0 else None]
-    comm.broadcast_object(found)  # every rank tries the same candidates in the same order
-    for i, path in enumerate(found[0]):
+        path = Path(str(choice))
+        _agree(_claim, directory, (_marker(path) or {}).get("run") or "")
+        meta = _load(path, engine, **stateful)
+        _check_resumable(cfg, path, meta)
+        _say(f"resumed from {choice} at step {meta['step']}")
+        return int(meta["step"])
+    # Every rank tries the same candidates in the same order.
+    found: list[Any] = _agree(_candidates, directory)
+    for i, path in enumerate(found):
         try:
-            step = load(path, engine, **stateful)
+            meta = _load(path, engine, **stateful)
         except ConfigError as e:
-            if i == len(found[0]) - 1:
+            if i == len(found) - 1:
                 raise
             _say(f"warning: skipping checkpoint {path}: {e}")
             continue
-        _say(f"resumed from {path} at step {step}")
-        return step
+        _check_resumable(cfg, path, meta)
+        _agree(_claim, directory, (_marker(path) or {}).get("run") or "")
+        _say(f"resumed from {path} at step {meta['step']}")
+        return int(meta["step"])
+    _agree(_claim, directory, None)
+    hint = "is ckpt.dir right?"
     if restarted:
-        _say(
-            f"warning: restarted, but no checkpoint under {directory}; starting from step 0 "
-            "(give a fixed hydra.run.dir or ckpt.dir so that a restart finds them)"
-        )
+        hint = "restarted: give a fixed hydra.run.dir or ckpt.dir so that a restart finds them"
+    _say(
+        f"warning: resume=auto found no checkpoint under {directory}; starting from step 0 ({hint})"
+    )
     return 0
+
+
+def _candidates(directory: Path) -> list[Path]:
+    """resume=auto's candidates, newest first: those of the directory's lineage."""
+    lineage, found = _lineage(directory), find_checkpoints(directory)
+    if lineage is None:
+        return found
+    ours = [p for p in found if (_marker(p) or {}).get("run") == lineage]
+    for p in found:
+        if p not in ours:
+            _say(f"warning: skipping checkpoint {p}: it belongs to another run than {lineage}")
+    return ours
+
+
+def _claim(directory: Path, lineage: str | None) -> str:
+    """Make `directory` this run's ([Note: run lineage]): a new lineage when `lineage`
+    is None (a fresh run), else `lineage` ("" for a checkpoint written before lineages).
+    Refuses a directory holding checkpoints of another lineage. Rank 0 alone."""
+    theirs = sorted(
+        (p for p in Path(directory).glob("step_*") if p.name[5:].isdigit()), key=_step_of
+    )
+    owner = _lineage(directory)
+    if lineage is None and theirs:
+        raise ConfigError(
+            f"ckpt.dir {directory} already holds checkpoints of another run (up to "
+            f"{theirs[-1].name}); continue that run with resume=auto, or start this one in "
+            "a new hydra.run.dir or ckpt.dir"
+        )
+    if lineage and owner and owner != lineage and theirs:
+        raise ConfigError(
+            f"ckpt.dir {directory} holds checkpoints of another run ({owner}) than the one "
+            "resumed; give this run a new hydra.run.dir or ckpt.dir"
+        )
+    lineage = lineage or owner or uuid.uuid4().hex
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        if owner != lineage:
+            _write_text(Path(directory) / LINEAGE, lineage)
+    except OSError as e:
+        raise ConfigError(f"ckpt.dir {directory} is not writable: {e.strerror}") from None
+    return lineage
+
+
+def _agree(fn, *args: Any) -> Any:
+    """`fn(*args)` on rank 0, its result (or ConfigError) on every rank."""
+    out: list[Any] = [None]
+    if comm.rank() == 0:
+        try:
+            out = [fn(*args)]
+        except ConfigError as e:
+            out = [e]
+    comm.broadcast_object(out)
+    if isinstance(out[0], ConfigError):
+        raise ConfigError(str(out[0]))
+    return out[0]
+
+
+# Keys a resumed run must share with its checkpoint: the sampler's position means
+# nothing in another permutation or another dataset. (`root` and `download` only say
+# where the files are.)
+_FIXED_ON_RESUME = ("seed", "data.dataset")
+_WHERE_KEYS = ("root", "download")
+
+
+def _check_resumable(cfg: DictConfig, path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a changed seed or dataset; name the values that differ from the
+    checkpoint's and take this run's (optimizer, schedule, steps) in one line."""
+    if not meta.get("config") or "optim" not in cfg:
+        return  # a checkpoint saved by code outside the trainer (tests, own loops)
+    saved = OmegaConf.create(meta["config"])
+    for key in _FIXED_ON_RESUME:
+        mine, theirs = _plain(OmegaConf.select(cfg, key)), _plain(OmegaConf.select(saved, key))
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            mine = {k: v for k, v in mine.items() if k not in _WHERE_KEYS}
+            theirs = {k: v for k, v in theirs.items() if k not in _WHERE_KEYS}
+        if mine != theirs:
+            raise ConfigError(
+                f"{key}={_show(mine)} differs from checkpoint {path}'s {key}={_show(theirs)}: "
+                "the data order would not continue; resume with the same value, or start "
+                "a fresh run"
+            )
+    changed = []
+    for key in ("optim", "train.steps"):
+        mine, theirs = _flatten(key, cfg), _flatten(key, saved)
+        changed += [
+            f"{k}={_show(v)} (checkpoint: {_show(theirs.get(k))})"
+            for k, v in mine.items()
+            if theirs.get(k) != v
+        ]
+    if changed:
+        _say(f"resumed with values that differ from the checkpoint's: {', '.join(changed)}")
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node
+
+
+def _flatten(key: str, cfg: DictConfig) -> dict[str, Any]:
+    node = OmegaConf.select(cfg, key)
+    if not OmegaConf.is_config(node):
+        return {key: node}
+    return {f"{key}.{k}": _plain(node[k]) for k in node}
+
+
+def _show(value: Any) -> str:
+    return str(value).replace("\n", " ")
 
 
 def load(path: Path, engine, **stateful: Any) -> int:
@@ -259,6 +488,10 @@ def load(path: Path, engine, **stateful: Any) -> int:
     missing, truncated, corrupted or mismatched file raises ConfigError naming it, on
     every rank alike, with the engine untouched and nothing on disk modified.
     """
+    return int(_load(path, engine, **stateful)["step"])
+
+
+def _load(path: Path, engine, **stateful: Any) -> dict[str, Any]:
     path = Path(path)
     prepared, error = None, None
     try:
@@ -272,6 +505,7 @@ def load(path: Path, engine, **stateful: Any) -> int:
     if error is not None:
         raise ConfigError(error)
     meta, state, rng = prepared
+    mine = _hparams(engine.optimizer)  # the values this run was built with
     for name, obj in stateful.items():
         if name in meta["state"]:
             try:
@@ -280,9 +514,34 @@ def load(path: Path, engine, **stateful: Any) -> int:
                 raise ConfigError(f"{path / 'meta.pt'}: {e}") from None
     with comm.unaccounted():
         engine.load_sharded_state(state)
+    _keep_hparams(engine.optimizer, mine, stateful.get("scheduler"))
     if rng is not None:
         _set_rng_state(rng)
-    return int(meta["step"])
+    return meta
+
+
+def _hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _keep_hparams(optimizer: torch.optim.Optimizer, mine: list[dict[str, Any]], scheduler) -> None:
+    """Put this run's hyperparameters back over the checkpoint's, which the engine
+    loaded: what the user passes (a lower lr on resume) wins. The learning rate is the
+    base lr (`initial_lr`) times the schedule's factor at the restored position, as the
+    scheduler computes it, so an unchanged run continues bitwise as before."""
+    for group, values in zip(optimizer.param_groups, mine, strict=True):
+        group.update({k: v for k, v in values.items() if k != "lr"})
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:  # no schedule: the lr is the configured one
+        for group, values in zip(optimizer.param_groups, mine, strict=True):
+            group["lr"] = values["lr"]
+        return
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 def _prepare(path: Path, engine) -> tuple[dict, dict, dict | None]:
@@ -354,6 +613,14 @@ def _read(file: Path) -> dict[str, Any]:
         raise ConfigError(f"{file} is missing: the checkpoint is incomplete")
     try:
         data = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" not in str(e).lower():
+            raise ConfigError(f"{file} is truncated or corrupted: {_line(e)}") from None
+        # torch's message suggests weights_only=False, which would run that code.
+        raise ConfigError(
+            f"{file} holds objects other than tensors and plain values; it was not loaded, "
+            "for safety (unpickling it could run code)"
+        ) from None
     except Exception as e:
         raise ConfigError(f"{file} is truncated or corrupted: {_line(e)}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or "checksum" not in data:
@@ -572,8 +839,14 @@ def _first_error(error: str | None, device: torch.device) -> str | None:
     return message[0]
 
 
+_said: set[str] = set()
+
+
 def _say(message: str) -> None:
-    if comm.rank() == 0:
+    # Once per process: a checkpoint skipped again (a later load, a restart's retry)
+    # would otherwise repeat the same warning.
+    if comm.rank() == 0 and message not in _said:
+        _said.add(message)
         tqdm.write(message)  # above the progress bar, not through it
 
 
@@ -588,7 +861,7 @@ def _fault(where: str, step: int, path: Path | None = None) -> None:
     if not spec:
         return
     rank, at, action = spec.split(":")
-    point = "save" if action == "kill_in_save" else "step"
+    point = {"kill_in_save": "save", "kill_in_prune": "prune"}.get(action, "step")
     if (int(rank), int(at), point) != (comm.rank(), step, where):
         return
     once = os.environ.get(FAULT_ONCE_ENV)
@@ -601,4 +874,6 @@ def _fault(where: str, step: int, path: Path | None = None) -> None:
             time.sleep(60)
     if action == "kill_in_save" and path is not None:
         os.truncate(path, path.stat().st_size // 2)  # as if killed in the middle of writing
+    if action == "kill_in_prune" and path is not None:
+        (path / "meta.pt").unlink()  # as if killed in the middle of deleting it
     os.kill(os.getpid(), signal.SIGKILL)

@@ -19,6 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
+from trainer import schema  # noqa: F401  (registers the config's types with Hydra)
 from trainer.errors import ConfigError, PeerError, TrainingError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -28,8 +29,18 @@ GROUPS = ("mode", "model", "data", "optim")
 def fail(message: str, code: int = 2) -> None:
     # Every rank sees the same bad input; one line from rank 0 is enough.
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr)
+        say(f"error: {message}")
     sys.exit(code)
+
+
+def say(line: str) -> None:
+    """One line on stderr, on a line of its own: a progress bar still drawn (it ends in
+    a carriage return, not a newline) is closed first."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_group_choices(args: list[str]) -> None:
@@ -69,7 +80,10 @@ def check_run_dir(args: list[str]) -> None:
                 return_hydra_config=True,
             )
         except ConfigCompositionException as e:  # "Could not override 'mode.foo'. ..."
-            fail(" ".join(str(e).split()))
+            cause = str(e.__cause__ or "").strip().splitlines()
+            # A wrong type (trainer/schema.py): the override, then OmegaConf's reason.
+            reason = f": {cause[0]}" if cause and "Error merging" in str(e) else ""
+            fail(" ".join(str(e).split()).replace("Error merging override ", "") + reason)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     path = Path(cfg.hydra.run.dir).absolute()
@@ -82,11 +96,16 @@ def run_and_exit(cfg: DictConfig) -> None:
     if cfg.launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_workers(cfg)
     from trainer.loop import train
+    from trainer.preempt import EXIT_CODE, Stopped
 
     try:
         train(cfg)
+    except Stopped as e:  # a checkpoint is written; the job can be run again to resume
+        if int(os.environ.get("RANK", "0")) == 0:
+            say(str(e))
+        sys.exit(EXIT_CODE)
     except PeerError as e:  # said by whichever rank noticed, not by rank 0 alone
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         sys.exit(1)
     except ConfigError as e:
         fail(str(e))
@@ -102,6 +121,8 @@ def _launch_workers(cfg: DictConfig) -> None:
     """Run this job as `cfg.launcher.nproc` local processes (torchrun --standalone)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from trainer.preempt import EXIT_CODE
 
     # The workers speak for themselves; the agent's own failure log would repeat them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -125,4 +146,6 @@ def _launch_workers(cfg: DictConfig) -> None:
         codes = sorted({f.exitcode for f in e.failures.values()})
         if 2 in codes:  # bad input: the workers' rank 0 has already said what
             sys.exit(2)
+        if codes == [EXIT_CODE]:  # stopped by SIGTERM with a checkpoint; rank 0 said so
+            sys.exit(EXIT_CODE)
         fail(f"{hc.job.name} workers failed with exit code(s) {codes}; see their messages above")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -10,8 +11,32 @@ from trainer.errors import ConfigError
 
 
 def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+    # `not value > 0` rather than `value <= 0`: NaN compares false either way
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
         raise ConfigError(f"{name}={value!r} must be a positive number")
+    if math.isinf(value):
+        raise ConfigError(f"{name}={value!r} must be a finite positive number")
+
+
+# Sizes of the models' layers: 0 or less builds a model that cannot learn, or fails
+# deep inside torch.
+_MODEL_SIZES = ("hidden", "depth", "width", "n_layer", "n_head", "n_embd", "in_dim")
+SEED_MAX = 2**32 - 1  # numpy's limit; torch's is larger
+
+
+def _validate_ranges(cfg: DictConfig) -> None:
+    if not 0 <= cfg.seed <= SEED_MAX:
+        raise ConfigError(f"seed={cfg.seed} must be a whole number from 0 to {SEED_MAX}")
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _whole("launcher.nproc", cfg.launcher.nproc, minimum=1)
+    wd = cfg.optim.get("weight_decay", 0.0)
+    if not isinstance(wd, int | float) or isinstance(wd, bool) or not 0 <= wd < math.inf:
+        raise ConfigError(f"optim.weight_decay={wd!r} must be a number >= 0")
+    if "min_unit_params" in cfg.mode:
+        _whole("mode.min_unit_params", cfg.mode.min_unit_params, minimum=0)
+    for key in _MODEL_SIZES:
+        if key in cfg.model:
+            _whole(f"model.{key}", cfg.model[key], minimum=1)
 
 
 def validate(cfg: DictConfig, world_size: int) -> None:
@@ -36,6 +61,7 @@ def validate(cfg: DictConfig, world_size: int) -> None:
         _whole("train.eval_batches", cfg.train.eval_batches, minimum=1)
     _validate_optim(cfg.optim)
     _validate_precision(cfg)
+    _validate_ranges(cfg)
 
 
 def _whole(name: str, value: Any, minimum: int) -> None:

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from trainer import checkpoint, comm
+from trainer import checkpoint, comm, preempt, rundir
 from trainer import dist as tdist
 from trainer.config import engine_options, validate
 from trainer.data import make_eval_loader, make_loader
@@ -52,6 +52,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     run_dir = shared_run_dir(env)
+    # Before anything of this run is written: one owner per directory, and stop
+    # cleanly on SIGTERM from here on.
+    owner = rundir.claim([run_dir, checkpoint.checkpoint_dir(cfg, run_dir)])
+    preempt.install()
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(env.device)
     psi = count_params(model)  # before fsdp takes the parameters apart
@@ -109,7 +113,8 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
             inputs, targets = (t.to(env.device, non_blocking=True) for t in next(batches))
             t0 = time.perf_counter()
             loss, correct = forward_backward(engine, inputs, targets, accum)
-            if loss_is_finite_everywhere(loss):
+            finite, stop = agree_on_step(loss, preempt.requested())
+            if finite:
                 grad_norm = engine.clip_grad_norm_(clip) if clip else None
                 if engine.step():
                     lr = scheduler.get_last_lr()[0]  # the lr this step used
@@ -149,9 +154,11 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
                 if values:  # rank 0
                     last_eval = values
                     writer.scalars(values, step)
-            checkpoint.maybe_save(cfg, engine, run_dir, step, **resumable)
+            path = checkpoint.maybe_save(cfg, engine, run_dir, step, force=stop, **resumable)
             bar.update(1)
             prof.step()
+            if stop and step < cfg.train.steps:
+                raise preempt.Stopped(step, path, preempt.signal_name())
     bar.close()
     final = {
         "step": cfg.train.steps,
@@ -167,6 +174,7 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         save_final_model(engine, run_dir / "final_model.pt", env.is_rank0)
     writer.final(final)
     writer.close()
+    owner.release()
     if env.is_rank0:
         print(
             f"done: {final['mode']} on {env.world_size} rank(s), step {final['step']}, "
@@ -199,20 +207,23 @@ def forward_backward(
     return loss_sum, correct
 
 
-def loss_is_finite_everywhere(loss: torch.Tensor) -> bool:
-    """Every rank must agree to step or not, else their collectives stop matching."""
+def agree_on_step(loss: torch.Tensor, stop: bool = False) -> tuple[bool, bool]:
+    """(whether the loss is finite on every rank, whether any rank asks to stop). Every
+    rank must agree to step or not, and to stop after the same step, else their
+    collectives stop matching: one reduction decides both ([Note: stopping on SIGTERM]
+    in trainer/preempt.py)."""
     bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)
-    comm.all_reduce(bad, tag="nonfinite", account=False).wait()
-    return bad.item() == 0
+    flags = torch.cat([bad, torch.full((1,), float(stop), device=bad.device)])
+    comm.all_reduce(flags, tag="nonfinite", account=False).wait()
+    bad_any, stop_any = flags.tolist()
+    return bad_any == 0, stop_any > 0
 
 
 def save_final_model(engine, path: Path, is_rank0: bool) -> None:
     """The full model state_dict, loadable with plain torch.load(weights_only=True)."""
     state = engine.full_state_dict()  # a collective in sharded modes: every rank calls it
     if is_rank0:
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # never a half-written file under the final name
+        checkpoint.write_file(path, state)  # never a half-written file under the final name
 
 
 def _run_name(cfg: DictConfig, env: tdist.DistEnv) -> str:

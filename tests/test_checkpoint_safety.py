@@ -1,0 +1,208 @@
+"""Checkpoints that cannot lose a run: the completion marker, pruning killed halfway, a
+full disk, a hostile pickle, the optimizer values of the command line on resume."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import ROOT, run_cli
+
+TINY = ["model.hidden=16", "model.depth=1", "train.batch_size=16", "train.log_every=1"]
+
+
+def _error_lines(proc) -> list[str]:
+    return [x for x in proc.stderr.replace("\r", "\n").splitlines() if "error:" in x]
+
+
+# ---------------------------------------------------------------------------------------
+# Item: a checkpoint is complete only by its marker; pruning leaves no partial one
+
+
+def test_a_directory_without_the_marker_is_not_a_checkpoint(tmp_path):
+    from trainer.checkpoint import find_checkpoints
+
+    for step in (1, 2):
+        d = tmp_path / f"step_00000{step}"
+        d.mkdir()
+        (d / "meta.pt").write_bytes(b"x")
+        (d / "rank0.pt").write_bytes(b"x")
+    (tmp_path / "step_000001" / "COMPLETE").write_text(json.dumps({"step": 1}))
+    assert find_checkpoints(tmp_path) == [tmp_path / "step_000001"]
+
+
+def test_killed_while_pruning_leaves_no_partial_checkpoint(tmp_path):
+    from trainer.checkpoint import find_checkpoints
+
+    run_dir = tmp_path / "run"
+    args = [*TINY, f"hydra.run.dir={run_dir}", "ckpt.every=1", "ckpt.keep=1"]
+    killed = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, "train.steps=3"],
+        cwd=ROOT,
+        env={**os.environ, "SHARDTRAIN_FAULT": "0:2:kill_in_prune"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL while removing step 1
+    ckpts = run_dir / "checkpoints"
+    # Step 1 lost a file, but under a name that is not a checkpoint's.
+    assert not (ckpts / "step_000001").exists()
+    assert [p.name for p in find_checkpoints(ckpts)] == ["step_000002"]
+    proc = run_cli([*args, "train.steps=3", "resume=auto"], nproc=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resumed from {ckpts / 'step_000002'} at step 2" in proc.stdout
+    assert sorted(p.name for p in ckpts.iterdir()) == ["lineage", "step_000003"]
+
+
+# ---------------------------------------------------------------------------------------
+# Item: a hostile file is refused for what it is, and nothing in it runs
+
+
+class _RunsCode:
+    def __init__(self, flag: Path) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.flag}",))
+
+
+def test_a_pickle_that_would_run_code_is_named_as_such(tmp_path):
+    flag = tmp_path / "it_ran"
+    ckpt = tmp_path / "step_000001"
+    ckpt.mkdir()
+    torch.save({"format": 1, "step": 1, "evil": _RunsCode(flag)}, ckpt / "meta.pt")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "consolidate.py"), str(ckpt), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    [line] = _error_lines(proc)
+    assert line == (
+        f"error: {ckpt / 'meta.pt'} holds objects other than tensors and plain values; it was "
+        "not loaded, for safety (unpickling it could run code)"
+    )
+    assert "weights_only" not in proc.stderr
+    assert not flag.exists()
+
+
+# ---------------------------------------------------------------------------------------
+# Item: a full disk is named, and leaves nothing behind
+
+
+def _disk_full_after(monkeypatch, limit: int) -> None:
+    """Writes through torch.save fail as on a full disk after `limit` bytes."""
+    from trainer import checkpoint
+
+    written = [0]
+    original = checkpoint._Sink.write
+
+    def write(self, data):
+        written[0] += len(data)
+        if written[0] > limit:
+            self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise self.error
+        return original(self, data)
+
+    monkeypatch.setattr(checkpoint._Sink, "write", write)
+
+
+def test_full_disk_writing_a_file(tmp_path, monkeypatch):
+    from trainer.checkpoint import write_file
+    from trainer.errors import TrainingError
+
+    _disk_full_after(monkeypatch, 1000)
+    path = tmp_path / "final_model.pt"
+    with pytest.raises(TrainingError) as e:
+        write_file(path, {"w": torch.zeros(2**18)})  # 1 MB of fp32
+    assert str(e.value).startswith(f"no space left on device writing {path} (it needs about 1.0")
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its .tmp
+
+
+def test_full_disk_saving_the_final_model(tmp_path, monkeypatch):
+    from trainer.errors import TrainingError
+    from trainer.loop import save_final_model
+
+    class Engine:
+        def full_state_dict(self):
+            return {"w": torch.ones(4096)}
+
+    _disk_full_after(monkeypatch, 100)
+    with pytest.raises(TrainingError, match="no space left on device writing .*final_model.pt"):
+        save_final_model(Engine(), tmp_path / "final_model.pt", is_rank0=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _save_on_a_full_disk(env, directory: Path):
+    from torch import nn
+
+    from trainer import checkpoint
+    from trainer.errors import TrainingError
+    from trainer.parallel import build_engine
+
+    class Patch:  # monkeypatch is not picklable into the worker
+        def setattr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    _disk_full_after(Patch(), 2000)
+    engine = build_engine(nn.Linear(64, 64), "ddp", functools.partial(torch.optim.SGD, lr=0.1))
+    try:
+        checkpoint.save(directory, 5, engine)
+    except TrainingError as e:
+        return str(e)
+    return None
+
+
+def test_full_disk_during_a_checkpoint(tmp_path):
+    from dist_harness import run_distributed
+
+    [message] = run_distributed(_save_on_a_full_disk, 1, tmp_path)
+    assert message.startswith(
+        f"rank 0 could not write its part of checkpoint {tmp_path / 'step_000005'}: "
+        "no space left on device writing"
+    ), message
+    assert list(tmp_path.iterdir()) == []  # the temporary directory went too
+
+
+def test_unwritable_ckpt_dir_is_found_at_start(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    proc = run_cli(
+        [*TINY, f"run.root={tmp_path}", f"ckpt.dir={blocker / 'ckpt'}", "train.steps=500"],
+        nproc=None,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = _error_lines(proc)
+    assert line == f"error: ckpt.dir {blocker / 'ckpt'} is not writable: Not a directory"
+    assert "1/500" not in proc.stderr  # refused before the first step
+
+
+def test_unwritable_consolidate_output(tmp_path):
+    from trainer import checkpoint  # noqa: F401  (the import path the script uses)
+
+    run_dir = tmp_path / "run"
+    proc = run_cli([*TINY, f"hydra.run.dir={run_dir}", "train.steps=2"], nproc=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "consolidate.py"),
+            str(run_dir / "checkpoints"),
+            str(blocker / "model.pt"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    [line] = _error_lines(out)
+    assert str(blocker / "model.pt") in line and "Traceback" not in out.stderr

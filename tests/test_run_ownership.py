@@ -1,0 +1,220 @@
+"""Never lose a run: one owner per run directory, fresh runs that do not write over
+another run's checkpoints, resume=auto within one lineage, command-line values that
+win on resume, and a clean stop on SIGTERM that resumes bitwise equal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import ROOT, TORCHRUN, run_cli
+
+TINY = ["model.hidden=16", "model.depth=1", "train.batch_size=16", "train.log_every=1"]
+HOLD = (
+    "import sys, time; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
+    "from trainer.rundir import _lock; _lock(Path(sys.argv[2])); print('held', flush=True); "
+    "time.sleep(600)"
+)
+
+
+def _error_lines(proc) -> list[str]:
+    return [x for x in proc.stderr.replace("\r", "\n").splitlines() if "error:" in x]
+
+
+def test_a_held_run_directory_is_refused_and_a_dead_holders_lock_is_stale(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(ROOT), str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = [*TINY, f"hydra.run.dir={run_dir}", "train.steps=2"]
+        proc = run_cli(args, nproc=None)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        [line] = _error_lines(proc)
+        assert line.startswith(f"error: {run_dir} is in use by another run (pid {holder.pid} on ")
+        assert line.endswith(
+            "wait for it to end, or give this run another hydra.run.dir (or ckpt.dir)"
+        )
+        assert not (run_dir / "checkpoints").exists()
+    finally:
+        holder.kill()  # SIGKILL: its lock file stays behind, naming it
+        holder.wait()
+    proc = run_cli(args, nproc=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"was locked by a run that has ended (pid {holder.pid} on " in proc.stdout
+    assert (run_dir / ".lock").read_text() == ""  # released on a clean end
+
+
+def test_a_fresh_run_never_writes_over_another_runs_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    first = [*TINY, f"hydra.run.dir={run_dir}", "ckpt.every=1", "ckpt.keep=0"]
+    assert run_cli([*first, "train.steps=3"], nproc=None).returncode == 0
+    ckpts = run_dir / "checkpoints"
+    before = {p: p.read_bytes() for p in ckpts.rglob("step_*/*")}
+
+    proc = run_cli([*first, "train.steps=2", "seed=1"], nproc=None)  # another run, same dir
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = _error_lines(proc)
+    assert line == (
+        f"error: ckpt.dir {ckpts} already holds checkpoints of another run (up to "
+        "step_000003); continue that run with resume=auto, or start this one in a new "
+        "hydra.run.dir or ckpt.dir"
+    )
+    assert {p: p.read_bytes() for p in ckpts.rglob("step_*/*")} == before
+
+    # A mistyped ckpt.dir with resume=auto says it found nothing.
+    typo = tmp_path / "chekpoints"
+    proc = run_cli(
+        [*TINY, f"run.root={tmp_path}", f"ckpt.dir={typo}", "resume=auto", "train.steps=1"],
+        nproc=None,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        f"warning: resume=auto found no checkpoint under {typo}; starting from step 0 "
+        "(is ckpt.dir right?)" in proc.stdout
+    )
+
+
+def test_resume_auto_takes_its_own_lineage_only(tmp_path):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for run_dir, steps in ((ours, 2), (theirs, 4)):
+        args = [*TINY, f"hydra.run.dir={run_dir}", "ckpt.every=1", f"train.steps={steps}"]
+        assert run_cli(args, nproc=None).returncode == 0
+    # Another run's newer checkpoint copied in: not ours to continue.
+    stranger = ours / "checkpoints" / "step_000004"
+    shutil.copytree(theirs / "checkpoints" / "step_000004", stranger)
+    args = [*TINY, f"hydra.run.dir={ours}", "ckpt.every=1", "train.steps=3", "resume=auto"]
+    proc = run_cli(args, nproc=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lineage = (ours / "checkpoints" / "lineage").read_text()
+    assert f"warning: skipping checkpoint {stranger}: it belongs to another run than {lineage}" in (
+        proc.stdout
+    )
+    assert f"resumed from {ours / 'checkpoints' / 'step_000002'} at step 2" in proc.stdout
+    assert proc.stdout.count("warning:") == 1
+
+
+def test_command_line_values_win_on_resume(tmp_path):
+    base = [*TINY, "ckpt.every=2", "train.steps=4"]
+    assert run_cli([*base, f"hydra.run.dir={tmp_path / 'a'}"], nproc=None).returncode == 0
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    b = tmp_path / "b"
+    proc = run_cli(
+        [*base, f"hydra.run.dir={b}", f"resume={ckpt}", "optim.lr=0.1", "optim.weight_decay=0.5"],
+        nproc=None,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        "resumed with values that differ from the checkpoint's: optim.lr=0.1 (checkpoint: "
+        "0.001), optim.weight_decay=0.5 (checkpoint: 0.01)" in proc.stdout
+    )
+    assert json.loads((b / "final_metrics.json").read_text())["train/lr"] == 0.1
+    meta = torch.load(b / "checkpoints" / "step_000004" / "meta.pt", weights_only=True)
+    assert meta["optim_hparams"][0]["lr"] == 0.1 and meta["optim_hparams"][0]["weight_decay"] == 0.5
+
+    # A changed seed or dataset is refused: the sampler's position means nothing there.
+    for change, needle in [
+        ("seed=7", "sampler state has seed=0 but this run has seed=7"),
+        ("data.dataset.seed=3", "data.dataset={"),
+    ]:
+        args = [*base, f"hydra.run.dir={tmp_path / 'c'}", f"resume={ckpt}", change]
+        proc = run_cli(args, nproc=None)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        [line] = _error_lines(proc)
+        assert needle in line and str(ckpt) in line, line
+
+
+# ---------------------------------------------------------------------------------------
+# SIGTERM under torchrun
+
+SIGTERM_ARGS = [*TINY, "mode=zero", "ckpt.every=3", "optim.schedule=constant"]
+
+
+def _start(run_dir: Path, steps: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*TORCHRUN, "--nproc-per-node=2", str(ROOT / "train.py"), *SIGTERM_ARGS,
+         f"train.steps={steps}", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+    """Until `path` exists (training has reached it); fails if the job ends first."""
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def _workers(launcher_pid: int) -> list[int]:
+    """Processes whose parent is torchrun: its workers, in start (rank) order."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher_pid:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
+
+
+def _stopped(proc: subprocess.Popen, run_dir: Path) -> tuple[int, str]:
+    """The job's step at the stop, from its one line; checks the line and the checkpoint."""
+    _, err = proc.communicate(timeout=120)
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.startswith("stopped by")]
+    assert len(lines) == 1, err[-3000:]
+    step = int(lines[0].split(" at step ")[1].split(";")[0])
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    assert lines[0] == (
+        f"stopped by SIGTERM at step {step}; checkpoint {ckpt}; resume with resume=auto"
+    )
+    assert sorted(p.name for p in ckpt.iterdir()) == ["COMPLETE", "meta.pt", "rank0.pt", "rank1.pt"]
+    return step, err
+
+
+@pytest.mark.slow
+def test_sigterm_stops_at_one_step_saves_and_resumes_bitwise_equal(tmp_path):
+    run_dir = tmp_path / "run"
+    job = _start(run_dir, steps=100000)
+    _wait_for(run_dir / "checkpoints" / "step_000003" / "COMPLETE", job)
+    job.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to every worker
+    step, _ = _stopped(job, run_dir)
+    assert step >= 3
+
+    total = step + 2
+    resumed = subprocess.run(
+        [*TORCHRUN, "--nproc-per-node=2", str(ROOT / "train.py"), *SIGTERM_ARGS,
+         f"train.steps={total}", f"hydra.run.dir={run_dir}", "resume=auto"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stdout
+    whole = tmp_path / "whole"
+    proc = run_cli([*SIGTERM_ARGS, f"train.steps={total}", f"hydra.run.dir={whole}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(run_dir / "final_model.pt", weights_only=True)
+    want = torch.load(whole / "final_model.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    run_dir = tmp_path / "run"
+    job = _start(run_dir, steps=100000)
+    _wait_for(run_dir / "checkpoints" / "step_000003" / "COMPLETE", job)
+    rank1 = _workers(job.pid)[1]
+    os.kill(rank1, signal.SIGTERM)  # rank 1 alone: rank 0 learns it at the next step
+    step, err = _stopped(job, run_dir)
+    assert "exitcode  : 75" in err  # torchrun's summary of the workers' exit codes
+    meta = torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "meta.pt", weights_only=True)
+    assert meta["step"] == step
