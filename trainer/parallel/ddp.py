@@ -1,13 +1,11 @@
 """mode=ddp: every rank keeps everything; gradient buckets are AllReduced during backward.
 
-Parameters are grouped into buckets of about `bucket_mb` in reverse registration order.
 Each bucket is one flat tensor and every parameter's `.grad` is a view into it, so the
 AllReduce works on the gradients in place, with no copies. A post-accumulate-grad hook
-counts the parameters that are ready; once a bucket is complete its AllReduce is launched
-asynchronously while backward carries on with earlier layers. Buckets are launched
-strictly in order (bucket i only after 0..i-1), so every rank issues the same sequence
-of collectives even when ranks finish their buckets in a different order. All handles are
-waited for in one place, after backward.
+reports each parameter's gradient to the bucket queue, which launches a complete
+bucket's AllReduce asynchronously, strictly in bucket order ([Note: buckets in order] in
+buckets.py), while backward carries on with earlier layers. All handles are waited for
+in one place, the end-of-backward callback.
 
 Mixed precision ([Note: master weights] in trainer/precision.py): buckets hold gradients
 in `reduce_dtype`. When that is the parameters' dtype the `.grad` views work as above;
@@ -32,6 +30,7 @@ from torch import nn
 
 from trainer import comm
 from trainer.flat import FlatLayout, bucketize
+from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import (
     Engine,
     OptimizerFactory,
@@ -56,7 +55,6 @@ class _Bucket:
         self.buffer = torch.zeros(self.layout.numel + extra, dtype=dtype, device=p0.device)
         self.grad = self.buffer[: self.layout.numel]
         self.views = self.layout.views(self.grad)
-        self.pending = len(self.params)
         self.handle: comm.Handle | None = None
         self.masters: list[nn.Parameter] = list(self.params)  # fp32 copies when mixed
 
@@ -94,8 +92,8 @@ class DDPEngine(Engine):
         # .grad views into the buckets when dtypes allow, else copies into them
         self._views = all(p.dtype == mp.reduce_dtype for p in params)
         self._separate_grads = mp.mixed or not self._views  # masters get their own .grad
-        self._ready: set[int] = set()
-        self._next = 0  # first bucket not yet launched
+        names = {id(p): n for n, p in named}
+        self._queue = BucketQueue(self.buckets, names, self._launch, self.name)
         for b in self.buckets:
             for p, view in zip(b.params, b.views, strict=True):
                 if self._views:
@@ -121,28 +119,15 @@ class DDPEngine(Engine):
                 view.copy_(p.grad)
                 p.grad = view
             self._used.mark(p)
-            if not self._sync:
-                return
-            if id(p) in self._ready:
-                raise RuntimeError(
-                    f"parameter {self._names[id(p)]!r} received its gradient twice in one "
-                    "backward; ddp reduces each gradient once per backward"
-                )
-            self._ready.add(id(p))
-            bucket.pending -= 1
-            self._launch_ready()
+            if self._sync:
+                self._queue.ready(bucket, p)
 
         return on_grad_ready
 
-    def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
-            if b.pending and not force:
-                return
-            if b is self.buckets[-1]:  # every parameter's use is known by now
-                self._used.fill(self._flags)
-            b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}")
-            self._next += 1
+    def _launch(self, b: _Bucket) -> None:
+        if b is self.buckets[-1]:  # launched last: every parameter's use is known by now
+            self._used.fill(self._flags)
+        b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}")
 
     def _finish_backward(self) -> None:
         if not self._sync:
@@ -151,11 +136,11 @@ class DDPEngine(Engine):
         # (their slots hold zeros, or gradients of earlier backwards and no_sync
         # micro-batches): reduce them too, in order, so every rank issues the same
         # collectives.
-        self._launch_ready(force=True)
+        self._queue.launch(force=True)
+        self._queue.reset()
         for b in self.buckets:
             b.handle.wait()
             b.handle = None
-            b.pending = len(b.params)
             if self._separate_grads:
                 g = b.grad if b.grad.dtype == torch.float32 else b.grad.float()
                 for m, v in zip(b.masters, b.layout.views(g), strict=True):
@@ -164,14 +149,6 @@ class DDPEngine(Engine):
         self._skipped = self._used.unused_everywhere(self._flags)
         for i in self._skipped:
             self._masters[i][1].grad = None
-        self._ready.clear()
-        self._next = 0
-
-    @torch.no_grad()
-    def _step(self) -> None:
-        self.optimizer.step()
-        self.zero_grad()
-        self._params_from_masters()
 
     @torch.no_grad()
     def _params_from_masters(self) -> None:

@@ -22,6 +22,7 @@ Several backwards before one step each run it, and their gradients add up.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,11 +67,14 @@ def param_groups(pairs: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> list[d
     return [groups[k] for k in sorted(groups, key=lambda k: (len(k), repr(k)))]
 
 
-class Engine:
-    """Wraps a model for one data-parallel mode. Subclasses implement backward and step."""
+class Engine(ABC):
+    """Wraps a model for one data-parallel mode. Subclasses decide where gradients live
+    and how they are communicated (`_finish_backward`, `shard_groups`, ...) and build
+    `optimizer` over the tensors they step."""
 
     name = "base"
     shards_parameters = False  # True: each rank keeps 1/P of the parameters' state
+    optimizer: torch.optim.Optimizer  # set by each mode's constructor
 
     def __init__(
         self,
@@ -191,17 +195,22 @@ class Engine:
         return next(self.module.parameters()).device
 
     # -- what every mode implements -----------------------------------------------------
+    @abstractmethod
     def _finish_backward(self) -> None:
         """The end of a backward pass ([Note: end of backward]): the mode's last
         collectives, waited for; gradients handed to what the optimizer steps."""
-        raise NotImplementedError
 
+    @torch.no_grad()
     def _step(self) -> None:
-        raise NotImplementedError
+        self.optimizer.step()
+        self.zero_grad()
+        self._params_from_masters()
 
     def _params_from_masters(self) -> None:
         """Bring the module's compute-precision parameters up to date with the masters
-        (after loading a checkpoint). Modes that keep separate masters implement it."""
+        (after a step, after loading a checkpoint). Modes whose module parameters are not
+        what the optimizer steps implement it."""
+        return None  # fsdp: the optimizer steps the shards, gathered before each use
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (e.g. a skipped non-finite step)."""
@@ -300,10 +309,10 @@ class Engine:
         return self.train(False)
 
     # -- checkpoints (trainer/checkpoint.py) -----------------------------------------------
+    @abstractmethod
     def shard_groups(self) -> list[ShardGroup]:
         """Where this rank's trainable state lives, one group per flat buffer of the mode
-        (ddp: one per parameter), in a fixed order. Each mode implements it."""
-        raise NotImplementedError
+        (ddp: one per parameter), in a fixed order."""
 
     def shard_layout(self) -> dict[str, Any]:
         """Mode, world size and, per group, the parameters' names, shapes and offsets in

@@ -53,14 +53,23 @@ Unsharding re-allocates the storage, AllGathers into it and points each paramete
 its view (`p.data = view`). Autograd saves parameters and views of them (`w.t()`) during
 forward; they share that storage, so they are valid again once the unit is gathered
 before its backward, while between forward and backward the memory is really free.
+`p.data = ...` is discouraged in general because it swaps a tensor's storage behind
+autograd's back (version counters do not see it). Here that is the point and it is safe:
+the swap happens only while no autograd op reads the parameter (before its unit runs,
+after its gradients exist), every swap points at the same persistent storage, and the
+values autograd saved are views of that storage, valid whenever the unit is gathered.
+The alternative, swapping parameters for new tensors each step, would break the
+identity that optimizers, hooks and users' references rely on.
 
 [Note: activation checkpointing]
 `torch.utils.checkpoint` (non-reentrant) reruns a checkpointed unit's forward during
 backward, hooks included, when autograd first needs one of its activations. That rerun
 is not a new forward: it must neither AllGather the unit a second time, nor prefetch the
 next unit, record the unit in the forward order, register backward hooks, nor free the
-parameters its backward is about to use. The pre-forward hook recognises it (autograd is
-executing a backward: `_recomputing()`) and only makes sure the unit is gathered:
+parameters its backward is about to use. The pre-forward hook recognises it by the
+engine's own state, as FSDP2's training state does: a forward while this engine's
+backward is under way (`_in_backward`, set by the first hook of the backward and cleared
+by the end-of-backward callback) is a recomputation. It only makes sure the unit is gathered:
 normally the unit's pre-backward hook already did that and the recomputation reuses the
 gathered parameters; when the checkpointed region ends after the unit (its recomputation
 then comes before the gradient reaches the unit) this is the unit's one AllGather of
@@ -94,11 +103,6 @@ from trainer.parallel.engine import (
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import UsedFlags
 from trainer.precision import GradAccumulator, LossScaler, Precision
-
-
-def _recomputing() -> bool:
-    """True when a forward runs inside backward: activation checkpointing recomputing."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class _Flat:
@@ -312,7 +316,7 @@ class FSDPEngine(Engine):
 
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward(self, u: _Unit) -> None:
-        if _recomputing():  # [Note: activation checkpointing]
+        if self._in_backward:  # [Note: activation checkpointing]
             self._unshard(u)  # a no-op when its pre-backward hook has gathered it
             self._wait(u)
             comm.record("recompute_begin", u.tag)
@@ -329,7 +333,7 @@ class FSDPEngine(Engine):
         comm.record("forward_begin", u.tag)
 
     def _post_forward(self, u: _Unit, output: Any) -> None:
-        if _recomputing():  # its backward needs the parameters next: keep them, add no hook
+        if self._in_backward:  # its backward needs the parameters next: keep them, add no hook
             comm.record("recompute_end", u.tag)
             return
         comm.record("forward_end", u.tag)
@@ -446,10 +450,6 @@ class FSDPEngine(Engine):
         self._used.fill(flags)
         comm.all_reduce(flags, tag="used_flags", account=False).wait()
         return flags
-
-    def _step(self) -> None:
-        self.optimizer.step()
-        self.zero_grad()
 
     def _flats(self) -> list[_Flat]:
         return [f for u in self.units for f in u.flats]

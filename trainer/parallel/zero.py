@@ -55,6 +55,7 @@ from torch import nn
 from trainer import comm
 from trainer.flat import FlatLayout, ScatterInput, bucketize
 from trainer.parallel import pieces
+from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import (
     Engine,
     OptimizerFactory,
@@ -110,7 +111,6 @@ class _Bucket:
         self.reduced: torch.Tensor | None = None  # (S + extra,) ReduceScatter output
         self.shard_grad: torch.Tensor | None = None  # (S,) fp32, the pieces' gradients
         self.handle: comm.Handle | None = None
-        self.pending = len(self.params)
 
     def write_grad(self, p: nn.Parameter, grad: torch.Tensor | None) -> None:
         """`p`'s gradient (or zeros) into its slot of the flat gradient buffer."""
@@ -166,8 +166,7 @@ class ZeroEngine(Engine):
         self.buckets[-1].extra = len(self._used)  # the last bucket carries the flags
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
             self._cast_module()
-        self._ready: set[int] = set()
-        self._next = 0  # first bucket not yet launched
+        self._queue = BucketQueue(self.buckets, self._names, self._launch, self.name)
         self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
         self._flags: torch.Tensor | None = None  # reduced used-flags of this step
         self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
@@ -192,41 +191,25 @@ class ZeroEngine(Engine):
                 # reduce dtype when p computes in a lower one
                 self._sums.add(p, bucket.reduce_dtype)
                 return
-            if id(p) in self._ready:
-                raise RuntimeError(
-                    f"parameter {self._names[id(p)]!r} received its gradient twice in one "
-                    "backward; zero reduces each gradient once per backward"
-                )
-            self._ready.add(id(p))
             bucket.write_grad(p, self._sums.take(p))  # frees autograd's full-size gradient
-            bucket.pending -= 1
-            self._launch_ready()
+            self._queue.ready(bucket, p)
 
         return on_grad_ready
 
-    def _launch_ready(self, force: bool = False) -> None:
-        # Strictly in bucket order, so that every rank issues the same collectives. The
-        # last bucket waits for the end of backward, when every parameter's use is known.
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
-            if (b.pending or b is self.buckets[-1]) and not force:
-                return
-            for p in b.params:
-                if id(p) not in self._ready:
-                    # No gradient in this backward: reduce what no_sync accumulated, or zero.
-                    b.write_grad(p, self._sums.take(p))
-            if b.extra:
-                self._used.fill(b.grad.control)
-            b.reduced = torch.empty(
-                b.grad.shard + b.extra, dtype=b.reduce_dtype, device=b.flat.device
-            )
-            b.handle = comm.reduce_scatter(
-                b.reduced, b.grad.input, average=True, tag=f"bucket{b.index}"
-            )
-            self._in_flight.append(b)
-            self._next += 1
-            if len(self._in_flight) > _MAX_IN_FLIGHT:  # [Note: bounded buckets]
-                self._finish(self._in_flight.pop(0))
+    def _launch(self, b: _Bucket) -> None:
+        for p in b.params:
+            if not self._queue.has_gradient(p):
+                # No gradient in this backward: reduce what no_sync accumulated, or zero.
+                b.write_grad(p, self._sums.take(p))
+        if b.extra:  # the last bucket, launched last: every parameter's use is known
+            self._used.fill(b.grad.control)
+        b.reduced = torch.empty(b.grad.shard + b.extra, dtype=b.reduce_dtype, device=b.flat.device)
+        b.handle = comm.reduce_scatter(
+            b.reduced, b.grad.input, average=True, tag=f"bucket{b.index}"
+        )
+        self._in_flight.append(b)
+        if len(self._in_flight) > _MAX_IN_FLIGHT:  # [Note: bounded buckets]
+            self._finish(self._in_flight.pop(0))
 
     def _finish(self, b: _Bucket) -> None:
         b.handle.wait()
@@ -245,16 +228,14 @@ class ZeroEngine(Engine):
         if not self._sync:
             return
         # Buckets still pending hold parameters that got no gradient in this backward.
-        self._launch_ready(force=True)
+        self._queue.launch(force=True)
+        self._queue.reset()
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
         unused = self._used.unused_everywhere(self._flags)
         for b in self.buckets:
             pieces.hand_out(b.pieces, b.shard_grad, unused)
-            b.pending = len(b.params)
         self._flags = None
-        self._ready.clear()
-        self._next = 0
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -269,11 +250,6 @@ class ZeroEngine(Engine):
             yield
 
     # -- step: update the shards, AllGather them into the full parameters ------------------
-    def _step(self) -> None:
-        self.optimizer.step()
-        self.zero_grad()
-        self._params_from_masters()
-
     @torch.no_grad()
     def _params_from_masters(self) -> None:
         if self.precision.mixed:
