@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -131,47 +129,14 @@ def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer) -> float | None:
 # Expected
 
 
-def _fsdp_unit_bytes(engine: Any) -> int:
-    """Full params and grads of the root unit (gathered from forward through backward) and
-    of the two largest other units (one computing, one prefetched or being reduced)."""
-    units = getattr(engine, "units", [])
-    if not units:
-        return 0
-
-    def working(u: Any) -> int:  # full params in their dtype, full grads in reduce dtype
-        return sum(
-            f.layout.padded_numel * (f.full.element_size() + _itemsize(f.reduce_dtype))
-            for f in u.flats
-        )
-
-    root = working(units[0]) if units[0].params else 0
-    others = sorted((working(u) for u in units[1:]), reverse=True)
-    return root + sum(others[:2])
-
-
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-@dataclass(frozen=True)
-class ModeShape:
-    """How a mode lays model state over P ranks and what it sends per step."""
+def _engine_class(mode: str) -> Any:
+    from trainer.parallel import ENGINES  # the engines say how they lay out state
 
-    sharded: frozenset[str]  # kinds divided by P
-    reduced: float  # gradient bytes sent per rank and step, in units of (P-1)/P · Ψr
-    gathered: float  # parameter bytes sent per rank and step, in units of (P-1)/P · Ψb
-    unit_bytes: Callable[[Any], int] | None = None  # transient working set, if any
-    masters_are_params: bool = False  # its only persistent params are the fp32 shards
-
-
-# Keyed by `Engine.name`: the only place that knows the modes apart.
-MODES: dict[str, ModeShape] = {
-    "ddp": ModeShape(frozenset(), 2.0, 0.0),
-    "zero": ModeShape(frozenset({"master", "grads", "optimizer"}), 1.0, 1.0),
-    "fsdp": ModeShape(
-        frozenset({"params", "grads", "optimizer"}), 1.0, 2.0, _fsdp_unit_bytes, True
-    ),
-}
+    return ENGINES[mode]
 
 
 def expected(
@@ -188,19 +153,19 @@ def expected(
     `param_bytes` is the compute dtype's size, `grad_bytes` the reduce dtype's. Below 4
     bytes, parameters have fp32 masters. `working_set` adds `unit_bytes`, the full units
     fsdp holds while a step runs."""
-    shape = MODES[mode]
+    shape = _engine_class(mode)
     mixed = param_bytes != 4
     params, master = param_bytes, 4 if mixed else 0
     if shape.masters_are_params:
         params, master = 4, 0
-    grads = 4 if "grads" in shape.sharded else grad_bytes + (4 if grad_bytes != 4 else 0)
+    grads = 4 if "grads" in shape.sharded_kinds else grad_bytes + (4 if grad_bytes != 4 else 0)
     full = {
         "params": numel * params,
         "master": numel * master,
         "grads": numel * grads,
         "optimizer": numel * optimizer_state_per_param_bytes,
     }
-    out = {k: v / world_size if k in shape.sharded else float(v) for k, v in full.items()}
+    out = {k: v / world_size if k in shape.sharded_kinds else float(v) for k, v in full.items()}
     out["model_state"] = out["params"] + out["master"] + out["grads"] + out["optimizer"]
     out["working_set"] = out["model_state"] + unit_bytes
     return out
@@ -211,9 +176,9 @@ def expected_traffic(
 ) -> float:
     """Bytes each rank sends per step under the ring model: parameters AllGathered in
     `bytes_per_elem`, gradients reduced in `grad_bytes` (the same when not given)."""
-    p, shape = world_size, MODES[mode]
+    p, shape = world_size, _engine_class(mode)
     r = bytes_per_elem if grad_bytes is None else grad_bytes
-    return (shape.reduced * r + shape.gathered * bytes_per_elem) * (p - 1) / p * numel
+    return (shape.grads_sent * r + shape.params_sent * bytes_per_elem) * (p - 1) / p * numel
 
 
 # nccl-tests bus bandwidth factors: busbw = algbw x factor.
@@ -284,21 +249,17 @@ class MemoryMonitor:
         )
 
     def expected(self) -> dict[str, float] | None:
-        """This engine's formula figures; None for an unknown mode or before the first step."""
-        shape = MODES.get(self.engine.name)
-        optimizer = getattr(self.engine, "optimizer", None)
-        k = optimizer_bytes_per_param(optimizer) if optimizer is not None else None
-        if shape is None or k is None:
+        """This engine's formula figures; None before the first step."""
+        k = optimizer_bytes_per_param(self.engine.optimizer)
+        if k is None:
             return None
-        units = shape.unit_bytes(self.engine) if shape.unit_bytes else 0
+        units = self.engine.working_set_bytes()
         p = self.engine.world_size
         return expected(
             self.engine.name, self.numel, p, self.param_bytes, self.grad_bytes, k, units
         )
 
     def expected_traffic(self) -> float | None:
-        if self.engine.name not in MODES:
-            return None
         p = self.engine.world_size
         return expected_traffic(self.engine.name, self.numel, self.param_bytes, p, self.grad_bytes)
 

@@ -61,6 +61,7 @@ class _Bucket:
 
 class DDPEngine(Engine):
     name = "ddp"
+    grads_sent = 2.0  # AllReduce
 
     def __init__(
         self,

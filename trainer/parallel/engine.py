@@ -25,7 +25,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +32,8 @@ from torch import nn
 
 from trainer import comm
 from trainer.errors import ConfigError
-from trainer.flat import FlatLayout
-from trainer.parallel.pieces import Piece
+from trainer.parallel import state
+from trainer.parallel.state import ShardGroup
 from trainer.precision import LossScaler, Precision, cast_module
 
 # Called with the tensors to step: a list of tensors, or of param-group dicts.
@@ -75,6 +74,11 @@ class Engine(ABC):
     name = "base"
     shards_parameters = False  # True: each rank keeps 1/P of the parameters' state
     optimizer: torch.optim.Optimizer  # set by each mode's constructor
+    # What the formulas of memory.py ([Note: the expected figures]) need to know of a mode:
+    sharded_kinds: frozenset[str] = frozenset()  # model-state kinds divided over the P ranks
+    masters_are_params = False  # its only persistent parameters are the fp32 shards
+    grads_sent = 0.0  # gradient bytes sent per rank and step, in (P-1)/P · Ψ·r
+    params_sent = 0.0  # parameter bytes sent per rank and step, in (P-1)/P · Ψ·b
 
     def __init__(
         self,
@@ -257,6 +261,11 @@ class Engine(ABC):
             "comm": [],
         }
 
+    def working_set_bytes(self) -> int:
+        """Bytes held only while a step runs, beyond the model state (fsdp's gathered
+        units); what memory.py adds to its formula for the working set."""
+        return 0
+
     # -- gradient clipping -------------------------------------------------------------
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         """The gradients this rank holds after backward, and whether they are shards.
@@ -308,137 +317,20 @@ class Engine(ABC):
     def eval(self) -> Engine:
         return self.train(False)
 
-    # -- checkpoints (trainer/checkpoint.py) -----------------------------------------------
+    # -- checkpoints (trainer/checkpoint.py; the layout code is in state.py) -----------------
     @abstractmethod
     def shard_groups(self) -> list[ShardGroup]:
         """Where this rank's trainable state lives, one group per flat buffer of the mode
         (ddp: one per parameter), in a fixed order."""
 
     def shard_layout(self) -> dict[str, Any]:
-        """Mode, world size and, per group, the parameters' names, shapes and offsets in
-        the flat buffer and each rank's range of it: what a checkpoint needs to re-cut."""
-        named = dict(self.module.named_parameters())
-        canonical: dict[int, str] = {}
-        groups = []
-        for g in self.shard_groups():
-            canonical.update({id(named[n]): n for n in g.names})
-            s = g.layout.padded_numel // self.world_size
-            ranges = [
-                [r * s, (r + 1) * s] if g.sharded else [0, g.layout.numel]
-                for r in range(self.world_size)
-            ]
-            groups.append(
-                {
-                    "names": list(g.names),
-                    "shapes": [list(shape) for shape in g.layout.shapes],
-                    "offsets": list(g.layout.offsets),
-                    "numel": g.layout.numel,
-                    "padded_numel": g.layout.padded_numel,
-                    "sharded": g.sharded,
-                    "ranges": ranges,
-                }
-            )
-        # Every state_dict key, with the grouped parameter it names (tied weights: two keys,
-        # one parameter), or None for tensors every rank keeps whole (buffers, frozen).
-        keys = [
-            [k, canonical.get(id(v))] for k, v in self.module.state_dict(keep_vars=True).items()
-        ]
-        return {"mode": self.name, "world_size": self.world_size, "groups": groups, "keys": keys}
+        return state.shard_layout(self)
 
-    @torch.no_grad()
     def sharded_state(self) -> dict[str, Any]:
-        """This rank's model and optimizer state as CPU copies, 1-D per group, and the
-        layout; no communication. Unsharded groups are kept by rank 0 alone (ddp writes
-        its model once); other ranks hold None there."""
-        groups, opt = self.shard_groups(), self.optimizer
-        params, optim = [], []
-        for g in groups:
-            held = g.sharded or self.rank == 0
-            params.append(g.local.detach().reshape(-1).cpu().clone() if held else None)
-            optim.append(_optimizer_entry(opt.state, g) if held else None)
-        layout = self.shard_layout()
-        module = self.module.state_dict(keep_vars=True)
-        whole = [k for k, name in layout["keys"] if name is None]
-        return {
-            "layout": layout,
-            "params": params,
-            "optim": optim,
-            "optim_hparams": [
-                {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
-            ],
-            # fp32 like the masters, so a checkpoint does not depend on `precision`
-            "replicated": {k: self._whole(module[k]) for k in whole},
-        }
+        return state.sharded_state(self)
 
-    @torch.no_grad()
-    def load_sharded_state(self, state: dict[str, Any]) -> None:
-        """Inverse of sharded_state() for this engine's own layout; checkpoint.py re-cuts a
-        checkpoint of another mode or world size into it first. Every rank calls it."""
-        groups, opt = self.shard_groups(), self.optimizer
-        for g, values in zip(groups, state["params"], strict=True):
-            g.local.copy_(values.view_as(g.local))
-        index = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
-        target = opt.state_dict()
-        target["state"] = {}
-        for g, entry in zip(groups, state["optim"], strict=True):
-            for piece in g.pieces:
-                scalar = entry["scalar"].get(piece.name)
-                if scalar is None:  # never stepped: no state
-                    continue
-                t = piece.tensor
-                target["state"][index[id(t)]] = {
-                    # copies: the optimizer increments step counters in place, one each
-                    **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalar.items()},
-                    **{
-                        k: v[piece.start : piece.end].view_as(t)
-                        for k, v in entry["per_element"].items()
-                    },
-                }
-        saved = state["optim_hparams"]
-        same = len(saved) == len(target["param_groups"])
-        for i, pg in enumerate(target["param_groups"]):
-            # The same grouping: every hyperparameter; another one (a run with weight-decay
-            # groups resumed without them): the learning rate alone.
-            lr = {k: saved[0][k] for k in ("lr", "initial_lr") if k in saved[0]}
-            pg.update(saved[i] if same else lr)
-        opt.load_state_dict(target)
-        module = self.module.state_dict(keep_vars=True)
-        for k, v in state["replicated"].items():
-            module[k].copy_(v)
-            if id(module[k]) in self._frozen:
-                self._frozen[id(module[k])].copy_(v)
-        self._params_from_masters()
-
-
-@dataclass
-class ShardGroup:
-    """One flat buffer of trainable parameters as a checkpoint sees it."""
-
-    names: list[str]  # parameter names (module.named_parameters()) in flat order
-    layout: FlatLayout  # shapes and offsets in the flat buffer, padded size
-    local: torch.Tensor  # this rank's values: the whole buffer, or its slice [r*S, (r+1)*S)
-    pieces: list[Piece]  # what the optimizer steps of it, with their ranges in `local`
-    sharded: bool  # True: rank r holds slice r; False: every rank holds all of it
-
-
-def _optimizer_entry(state: dict[Any, dict[str, Any]], g: ShardGroup) -> dict[str, dict]:
-    """Optimizer state of one group: tensors shaped like their piece (exp_avg,
-    momentum_buffer, ...) laid out 1-D like `local` (zero where no piece has state), and
-    the rest (step counters) per parameter name."""
-    per_element: dict[str, torch.Tensor] = {}
-    scalar: dict[str, dict[str, Any]] = {}
-    for piece in g.pieces:
-        st = state.get(piece.tensor)
-        if not st:
-            continue
-        scalar[piece.name] = {}
-        for k, v in st.items():
-            if torch.is_tensor(v) and v.shape == piece.tensor.shape and k != "step":
-                flat = per_element.setdefault(k, v.new_zeros(g.local.numel(), device="cpu"))
-                flat[piece.start : piece.end] = v.detach().reshape(-1).cpu()
-            else:
-                scalar[piece.name][k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
-    return {"per_element": per_element, "scalar": scalar}
+    def load_sharded_state(self, saved: dict[str, Any]) -> None:
+        state.load_sharded_state(self, saved)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

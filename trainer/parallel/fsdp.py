@@ -193,6 +193,9 @@ class _Unit:
 class FSDPEngine(Engine):
     name = "fsdp"
     shards_parameters = True
+    sharded_kinds = frozenset({"params", "grads", "optimizer"})
+    masters_are_params = True
+    grads_sent, params_sent = 1.0, 2.0  # ReduceScatter, AllGather before forward and backward
 
     def __init__(
         self,
@@ -453,6 +456,20 @@ class FSDPEngine(Engine):
 
     def _flats(self) -> list[_Flat]:
         return [f for u in self.units for f in u.flats]
+
+    def working_set_bytes(self) -> int:
+        """Full params (their dtype) and grads (reduce dtype) of the root unit, gathered
+        from forward through backward, and of the two largest other units (one computing,
+        one prefetched or being reduced)."""
+
+        def working(u: _Unit) -> int:
+            return sum(
+                f.layout.padded_numel * (f.full.element_size() + f.reduce_dtype.itemsize)
+                for f in u.flats
+            )
+
+        others = sorted((working(u) for u in self.units[1:]), reverse=True)
+        return working(self.root) + sum(others[:2])
 
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         # This rank's (S,) slice of each flat buffer's averaged gradient; padding is zero,

@@ -129,6 +129,8 @@ class _Bucket:
 class ZeroEngine(Engine):
     name = "zero"
     shards_parameters = True
+    sharded_kinds = frozenset({"master", "grads", "optimizer"})
+    grads_sent, params_sent = 1.0, 1.0  # ReduceScatter, AllGather
 
     def __init__(
         self,
