@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import comm
+from trainer import comm, host
 from trainer.errors import ConfigError
 from trainer.parallel import state
 from trainer.parallel.state import ShardGroup
@@ -192,7 +192,7 @@ class Engine(ABC):
                 bad += (~torch.isfinite(g)).any()
             if self.world_size > 1:  # ranks must agree, else their collectives diverge
                 comm.all_reduce(bad, tag="found_inf", account=False).wait()
-            self._found_inf = bool(bad.item() > 0)
+            self._found_inf = host.item(bad, "fp16 found_inf") > 0
         return self._found_inf
 
     def _device(self) -> torch.device:

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from trainer import host
+
 
 class UsedFlags:
     def __init__(self, params: Sequence[nn.Parameter]):
@@ -38,17 +40,19 @@ class UsedFlags:
     def fill(self, out: torch.Tensor) -> None:
         """Write this rank's flags into `out` (..., n), every row alike. Built on the host
         and copied once, rather than one tiny device write per parameter."""
+        if len(self.used) == len(self):  # the common case: a device fill, no copy
+            out.fill_(1)
+            return
         flags = torch.zeros(len(self), dtype=out.dtype)
-        if self.used:
-            flags[list(self.used)] = 1
-        out.copy_(flags.to(out.device, non_blocking=True).expand_as(out))
+        flags[list(self.used)] = 1
+        out.copy_(flags.to(out.device).expand_as(out))
 
     def unused_everywhere(self, reduced: torch.Tensor) -> set[int]:
         """Positions no rank used, from the reduced flags (n,). Empty without reading the
         device when this rank used every parameter."""
         if len(self.used) == len(self):
             return set()
-        return set((reduced == 0).nonzero().flatten().tolist())
+        return set(host.tolist((reduced == 0).nonzero().flatten(), "unused parameters"))
 
     def clear(self) -> None:
         self.used.clear()

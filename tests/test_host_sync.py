@@ -1,0 +1,111 @@
+"""No host reads of device values in a steady step of any mode (fp32 and bf16), counted
+two ways: the reads that go through trainer.host, and the aten ops that can only run by
+reading a value back (`_local_scalar_dense` behind `.item()` and `bool()`, `nonzero`).
+On a GPU each would stall the CPU until the device catches up."""
+
+import functools
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from reference import any_loss, batches, make_model, rank_slice
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MODES = {
+    "ddp": {},
+    "zero": {},
+    "fsdp": {"min_unit_params": 50, "unit_classes": []},
+    "fsdp_keep": {"min_unit_params": 50, "unit_classes": [], "reshard_after_forward": False},
+}
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero"}
+
+
+class _CountSyncingOps(TorchDispatchMode):
+    """Counts the syncing ops, except reads of the optimizer's step counters: torch keeps
+    those on the CPU even when training on a GPU (non-capturable optimizers), so AdamW's
+    `step.item()` for its bias correction is no device read."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.ops: list[str] = []
+        self._steps = {id(s["step"]) for s in optimizer.state.values() if "step" in s}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNCING_OPS and not (args and id(args[0]) in self._steps):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _steady_reads(env, cases) -> dict:
+    from trainer import host
+    from trainer.parallel import build_engine
+
+    out = {}
+    for name, kind, precision, clip in cases:
+        mode = name.split("_")[0]
+        engine = build_engine(
+            make_model(kind, seed=0),
+            mode,
+            functools.partial(torch.optim.AdamW, lr=1e-3),
+            precision=precision,
+            **MODES[name],
+        )
+        data = batches(kind, 5, 8)
+
+        def step(x, y, engine=engine, clip=clip, precision=precision):
+            x, y = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, 2)
+            loss = any_loss(engine(x), y)
+            engine.backward(loss) if precision == "fp16" else loss.backward()
+            if clip:
+                engine.clip_grad_norm_(1.0)
+            engine.step()
+
+        for x, y in data[:2]:  # warm-up: optimizer state, first-step bookkeeping
+            step(x, y)
+        with host.counting() as reads, _CountSyncingOps(engine.optimizer) as ops:
+            for x, y in data[2:]:
+                step(x, y)
+        out[name, kind, precision, clip] = (reads.count, reads.where, ops.ops)
+    return out
+
+
+CASES = [
+    (mode, "mlp", precision, clip)
+    for mode in MODES
+    for precision in ("fp32", "bf16")
+    for clip in (False, True)
+]
+
+
+@pytest.fixture(scope="module")
+def reads():
+    extra = [(mode, "mlp", "fp16", False) for mode in MODES]
+    extra += [(mode, "unused", "fp32", False) for mode in MODES]
+    return run_distributed(_steady_reads, 2, CASES + extra)[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_no_host_reads_in_a_steady_step(reads, case):
+    count, where, ops = reads[case]
+    assert count == 0, where
+    assert ops == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_reads_one_flag_per_step_to_skip_or_step(reads, mode):
+    # Whether to skip the step must be known on the host, as in torch.amp.GradScaler:
+    # one read of the found-inf flag per step (3 steps counted), nothing else.
+    count, where, ops = reads[mode, "mlp", "fp16", False]
+    assert count == 3 and set(where) == {"fp16 found_inf"}
+    assert ops == ["_local_scalar_dense"] * 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_that_left_a_parameter_unused_reads_the_used_flags(reads, mode):
+    # fc_unused takes no part in forward: to know whether another rank used it, this
+    # rank reads the reduced used-flags once per step (and a rank that used every
+    # parameter would not). Also shows that both counters see reads.
+    count, where, ops = reads[mode, "unused", "fp32", False]
+    assert count == 3 and set(where) == {"unused parameters"}
+    assert ops == ["nonzero"] * 3

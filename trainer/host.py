@@ -1,0 +1,55 @@
+"""The one way trainer code reads a device value on the host.
+
+On a GPU every such read (`.item()`, `.tolist()`, `nonzero()`) makes the CPU wait until
+the device has computed the value: the CPU stops queueing kernels and communication
+stops overlapping compute. torch DDP and FSDP2 make none in a steady step, and neither
+do the engines here (fp32 and bf16; fp16's skip decision reads one flag, as
+torch.amp.GradScaler does). Reads belong at log intervals, checkpoints and errors.
+Going through these functions lets a test count them (`counting()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Reads:
+    count: int = 0
+    where: list[str] = field(default_factory=list)  # what each read was for
+
+
+_counters: list[Reads] = []
+
+
+def _count(why: str) -> None:
+    for c in _counters:
+        c.count += 1
+        c.where.append(why)
+
+
+def item(t: torch.Tensor, why: str) -> float | int | bool:
+    """`t.item()`, counted."""
+    _count(why)
+    return t.item()
+
+
+def tolist(t: torch.Tensor, why: str) -> list:
+    """`t.tolist()`, counted."""
+    _count(why)
+    return t.tolist()
+
+
+@contextmanager
+def counting() -> Iterator[Reads]:
+    """Count the host reads made inside the block."""
+    reads = Reads()
+    _counters.append(reads)
+    try:
+        yield reads
+    finally:
+        _counters.remove(reads)
