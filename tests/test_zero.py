@@ -174,32 +174,64 @@ def test_sharded_memory_from_live_tensors(world):
 # Unused parameters and misuse.
 
 
-def _unused_and_double_gradient(env):
-    from torch.utils.checkpoint import checkpoint
+class _Reentrant(nn.Module):
+    """`mid` applied in two nested reentrant checkpoints: its gradient accumulates in two
+    backwards nested in the outer one."""
 
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        return checkpoint(self.mid, checkpoint(self.mid, h, use_reentrant=True), use_reentrant=True)
+
+
+def _unused_and_reentrant(env):
     from trainer.parallel import build_engine
 
     state = train_engine(env, "zero", "unused", "sgd", STEPS, BATCH, bucket_mb=0.0004)
-    # A layer applied in two reentrant checkpoints gets its gradient accumulated twice.
+    results = {}
+    for mode in ("ddp", "zero", "fsdp"):
+        torch.manual_seed(0)
+        options = {"min_unit_params": 10, "unit_classes": []} if mode == "fsdp" else {}
+        sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        engine = build_engine(_Reentrant(), mode, sgd, **options)
+        torch.manual_seed(1 + env.rank)
+        try:
+            engine(torch.randn(2, 4)).sum().backward()
+            engine.step()
+            results[mode] = engine.full_state_dict()
+        except RuntimeError as e:
+            results[mode] = str(e)
+    return state, results
+
+
+def _reentrant_reference(world: int) -> dict:
+    """One process: the mean over ranks of each rank's gradient, one SGD step."""
     torch.manual_seed(0)
-    layer = nn.Linear(4, 4)
-    engine = build_engine(layer, "zero", optimizer=functools.partial(torch.optim.SGD, lr=0.1))
-    x = torch.randn(2, 4, requires_grad=True)
-    y = checkpoint(layer, checkpoint(layer, x, use_reentrant=True), use_reentrant=True)
-    try:
-        engine.backward(y.sum())
-        error = ""
-    except RuntimeError as e:
-        error = str(e)
-    return state, error
+    model = _Reentrant()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for r in range(world):
+        torch.manual_seed(1 + r)
+        (model(torch.randn(2, 4)).sum() / world).backward()
+    opt.step()
+    return model.state_dict()
 
 
-def test_unused_parameter_does_not_hang_and_double_gradient_is_named():
-    out = run_distributed(_unused_and_double_gradient, 2)
+def test_unused_parameter_does_not_hang_and_reentrant_checkpointing():
+    out = run_distributed(_unused_and_reentrant, 2)
     init = make_model("unused", seed=0).state_dict()
-    for state, error in out:
+    want = _reentrant_reference(2)
+    for state, results in out:
         # no gradient: it stays at rank 0's initial value on every rank
         assert torch.equal(state["fc_unused.weight"], init["fc_unused.weight"])
         assert_state_close(state, out[0][0])
-        assert "received its gradient twice" in error, error
-        assert "'weight'" in error or "'bias'" in error, error
+        # ddp and zero reduce what each nested backward produced: the sum is right
+        for mode in ("ddp", "zero"):
+            assert_state_close(results[mode], want)
+        # fsdp would leave the second gradient behind: refused, the parameter named
+        assert "'mid." in results["fsdp"] and "received its gradient twice" in results["fsdp"]
+        assert "use_reentrant=False" in results["fsdp"]

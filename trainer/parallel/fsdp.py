@@ -238,6 +238,8 @@ class FSDPEngine(Engine):
         self._fwd_next = 0  # next scheduled unit to gather in this forward
         self._bwd_next = self._rs_next = len(self._schedule) - 1  # ... in this backward
         self._ran: set[int] = set()  # units that ran in this forward
+        self._ready: set[int] = set()  # parameters whose gradient arrived in this backward
+        self._names = {id(p): n for u in plans for n, p in u.params}
         # AllGathers on a group of their own: a rank that skips a unit reduces it later in
         # backward than the others, so AllGathers and ReduceScatters interleave
         # differently across ranks, while each kind alone keeps one order.
@@ -374,6 +376,14 @@ class FSDPEngine(Engine):
     def _on_grad(self, u: _Unit, p: nn.Parameter) -> None:
         self._begin_backward()
         self._used.mark(p)
+        if id(p) in self._ready:
+            # Autograd accumulates a leaf once per backward; twice means a backward nested
+            # in this one (reentrant checkpointing) that would leave this gradient behind.
+            raise RuntimeError(
+                f"parameter {self._names[id(p)]!r} received its gradient twice in one "
+                "backward (reentrant checkpointing?); fsdp needs use_reentrant=False"
+            )
+        self._ready.add(id(p))
         u.ready += 1
         # The root is reduced from the end-of-backward callback, last.
         if u.ready == len(u.params) and not u.done and u is not self.root:
@@ -446,6 +456,7 @@ class FSDPEngine(Engine):
         for u in self.units:
             self._reshard(u)
             u.ready, u.done = 0, False
+        self._ready.clear()
         self._bwd_next = self._rs_next = len(self._schedule) - 1
 
     def _flags_alone(self) -> torch.Tensor:
