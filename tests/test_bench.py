@@ -34,7 +34,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert rows[ours]["vs"] == theirs and rows[ours]["ratio_to_torch"] > 0
     # Traffic: ours counted by trainer.comm equals the ring formula used for PyTorch's
     # (sharded modes pad to a multiple of P: a few bytes over; ddp's last bucket carries
-    # one 4-byte used-flag per parameter tensor, 6 here: ddp.py [Note: unused parameters]).
+    # one 4-byte used-flag per parameter tensor, 6 here: used.py [Note: used flags]).
     flags = 2 * (2 - 1) / 2 * 6 * 4
     assert rows["ddp"]["bytes_per_step"] == rows["torch_ddp"]["bytes_per_step"] + flags
     assert abs(rows["zero"]["bytes_per_step"] / rows["fsdp2_keep"]["bytes_per_step"] - 1) < 0.01

@@ -7,6 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer import schema  # noqa: F401  (registers the types conf/config.yaml names)
 from trainer.errors import ConfigError
 
 
