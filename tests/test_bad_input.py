@@ -45,6 +45,10 @@ CASES = [
     (["model=cnn", "data=images", "model.width=0"], None, 2, "model.width=0 must be a whole"),
     (["mode=fsdp", "mode.min_unit_params=-1"], None, 2, "mode.min_unit_params=-1 must be"),
     (["launcher.nproc=0"], None, 2, "launcher.nproc=0 must be a whole number >= 1"),
+    (["hydra.run.dir=/proc/x"], None, 2, "run directory /proc/x cannot be created"),
+    (["model.num_classes=5"], None, 2, "model=mlp does not fit data=synthetic: targets go up"),
+    (["model=gpt"], None, 2, "model=gpt does not fit data=synthetic"),
+    (["train.steps=${oc.env:NOPE}"], None, 2, "Environment variable 'NOPE' not found"),
 ]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from trainer import schema  # noqa: F401  (registers the config's types with Hydra)
 from trainer.errors import ConfigError, PeerError, TrainingError
@@ -84,12 +84,20 @@ def check_run_dir(args: list[str]) -> None:
             # A wrong type (trainer/schema.py): the override, then OmegaConf's reason.
             reason = f": {cause[0]}" if cause and "Error merging" in str(e) else ""
             fail(" ".join(str(e).split()).replace("Error merging override ", "") + reason)
+    try:  # an interpolation that cannot resolve (${oc.env:NOPE}) names itself here
+        OmegaConf.resolve(cfg)
+    except Exception as e:
+        fail(" ".join(str(e).split("\n")[0].split()))
     if int(os.environ.get("RANK", "0")) != 0:
         return
     path = Path(cfg.hydra.run.dir).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         fail(f"run directory {path} cannot be created: {existing} is not a writable directory")
+    try:  # root passes os.access everywhere, yet cannot create /proc/x
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"run directory {path} cannot be created: {e.strerror}")
 
 
 def run_and_exit(cfg: DictConfig) -> None:

@@ -19,6 +19,7 @@ from trainer import dist as tdist
 from trainer.config import engine_options, validate
 from trainer.data import make_eval_loader, make_loader
 from trainer.errors import TrainingError
+from trainer.fit import check_fit
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.models import accuracy, loss_fn
@@ -60,6 +61,7 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     model = instantiate(cfg.model).to(env.device)
     psi = count_params(model)  # before fsdp takes the parameters apart
     dataset = instantiate(cfg.data.dataset)
+    check_fit(model, dataset, _choice("model", cfg.model), _choice("data", cfg.data.dataset))
     loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
     eval_loader = None
     if cfg.train.eval_every:
@@ -228,3 +230,12 @@ def save_final_model(engine, path: Path, is_rank0: bool) -> None:
 
 def _run_name(cfg: DictConfig, env: tdist.DistEnv) -> str:
     return f"{cfg.mode.name} p={env.world_size}"
+
+
+def _choice(group: str, node: DictConfig) -> str:
+    """The config group's choice as the user named it (`gpt`), else its target."""
+    if HydraConfig.initialized():
+        choice = HydraConfig.get().runtime.choices.get(group)
+        if choice:
+            return str(choice)
+    return str(node.get("_target_", group))
