@@ -238,9 +238,8 @@ def _one_step_traced(env):
         block.attn.register_forward_pre_hook(lambda m, a, i=i: measure("forward", i))
         block.attn.register_forward_hook(in_backward(i))
     x, y = batches("gpt", 1, 4)[0]
-    comm.trace = []
-    engine.backward(any_loss(engine(x), y))
-    events, comm.trace = comm.trace, None
+    with comm.tracing() as events:
+        engine.backward(any_loss(engine(x), y))
     engine.step()
 
     with torch.no_grad():  # eval: gathers and frees unit by unit (measured too), no backward
