@@ -5,8 +5,9 @@
 
 With 4 ranks the values are the reference table of COLLECTIVES.md; other world sizes
 follow the same rules. Letters A, B, C, D stand for "rank 0's item", "rank 1's item", ...
-Every demo goes through trainer.comm, the module the trainer itself uses, so this is the
-trainer's code path on Gloo (CPU) or NCCL (GPU).
+Every demo goes through trainer.comm, the module the trainer itself uses (scatter and the
+all-to-alls through trainer.comm_extra, on the same launch path), so this is the trainer's
+code path on Gloo (CPU) or NCCL (GPU).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer import comm  # noqa: E402
+from trainer import comm, comm_extra  # noqa: E402
 from trainer import dist as tdist  # noqa: E402
 from trainer.dist import DistEnv  # noqa: E402
 
@@ -92,7 +93,7 @@ def demo_scatter(env: DistEnv) -> Shown:
     if env.rank == 0:
         pieces = list(torch.arange(float(env.world_size), device=env.device).split(1))
         before = letters(torch.cat(pieces))
-    comm.scatter(out, pieces, src=0).wait()
+    comm_extra.scatter(out, pieces, src=0).wait()
     return before, letters(out)
 
 
@@ -116,7 +117,7 @@ def demo_all_to_all(env: DistEnv) -> Shown:
     p, r = env.world_size, env.rank
     sent = 10 * r + torch.arange(float(p), device=env.device)  # [10r + 0, 10r + 1, ...]
     received = torch.empty_like(sent)
-    comm.all_to_all(received, sent).wait()
+    comm_extra.all_to_all(received, sent).wait()
     return ints(sent), ints(received)
 
 
@@ -135,7 +136,7 @@ def demo_all_to_all_uneven(env: DistEnv) -> Shown:
     pieces = [
         torch.full((uneven_count(r, j, p),), 10.0 * r + j, device=env.device) for j in range(p)
     ]
-    received, handle = comm.all_to_all_uneven(pieces)
+    received, handle = comm_extra.all_to_all_uneven(pieces)
     handle.wait()
     return [ints(t) for t in pieces], [ints(t) for t in received]
 

@@ -4,7 +4,7 @@
 
 Every op goes through trainer.comm, the trainer's own code path. reduce_scatter and
 all_gather are timed twice: the backend's native op ("native") and comm's own exchange
-of point-to-point sends ("p2p", what comm picks on Gloo), forced by comm.use_p2p.
+of point-to-point sends ("p2p", what comm picks on Gloo), forced with comm.p2p(...).
 
 Definitions follow nccl-tests: size = bytes of the full buffer (the all-reduce buffer,
 the gathered output, the reduce-scatter input, one rank's all-to-all buffer);
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer import comm  # noqa: E402
+from trainer import comm, comm_extra  # noqa: E402
 from trainer import dist as tdist  # noqa: E402
 from trainer.dist import DistEnv  # noqa: E402
 
@@ -71,7 +71,7 @@ def make_op(op: str, nbytes: int, env: DistEnv):
         return n * 4, lambda: comm.reduce(full, dst=0)
     if op == "all_to_all":
         out = torch.empty_like(full)
-        return n * 4, lambda: comm.all_to_all(out, full)
+        return n * 4, lambda: comm_extra.all_to_all(out, full)
     raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
 
 
@@ -111,9 +111,9 @@ def run(env: DistEnv, ops: list[str], byte_sizes: list[int], warmup: int, iters:
         for nbytes in byte_sizes:
             # Native and p2p back to back per size, so both see the same machine load.
             for impl in ("native", "p2p") if op in HAS_P2P else ("native",):
-                comm.use_p2p = impl == "p2p"
-                actual, launch = make_op(op, nbytes, env)
-                seconds = time_op(env, launch, warmup, iters)
+                with comm.p2p(impl == "p2p"):
+                    actual, launch = make_op(op, nbytes, env)
+                    seconds = time_op(env, launch, warmup, iters)
                 algbw = actual / seconds / 1e9
                 rows.append(
                     {
@@ -126,7 +126,6 @@ def run(env: DistEnv, ops: list[str], byte_sizes: list[int], warmup: int, iters:
                         "ring_traffic_bytes": ring_traffic(op, actual, env.world_size),
                     }
                 )
-    comm.use_p2p = None
     return rows
 
 

@@ -100,10 +100,10 @@ def test_a_pickle_that_would_run_code_is_named_as_such(tmp_path):
 
 def _disk_full_after(monkeypatch, limit: int) -> None:
     """Writes through torch.save fail as on a full disk after `limit` bytes."""
-    from trainer import checkpoint
+    from trainer.checkpoint import files
 
     written = [0]
-    original = checkpoint._Sink.write
+    original = files._Sink.write
 
     def write(self, data):
         written[0] += len(data)
@@ -112,7 +112,7 @@ def _disk_full_after(monkeypatch, limit: int) -> None:
             raise self.error
         return original(self, data)
 
-    monkeypatch.setattr(checkpoint._Sink, "write", write)
+    monkeypatch.setattr(files._Sink, "write", write)
 
 
 def test_full_disk_writing_a_file(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ def _load(path: Path):
 
 
 def _run_demos(env) -> dict:
-    from trainer import comm
+    from trainer import comm, comm_extra
 
     demo = _load(DEMO)
     out = {
@@ -43,20 +43,19 @@ def _run_demos(env) -> dict:
         )
     }  # fmt: skip
     for path in ("native", "p2p"):  # comm's two implementations must agree
-        comm.use_p2p = path == "p2p"
-        out["all_gather", path] = demo.demo_all_gather(env)
-        out["reduce_scatter", path, 1] = demo.demo_reduce_scatter(env, example=1)
-        out["reduce_scatter", path, 2] = demo.demo_reduce_scatter(env, example=2)
-    comm.use_p2p = None
+        with comm.p2p(path == "p2p"):
+            out["all_gather", path] = demo.demo_all_gather(env)
+            out["reduce_scatter", path, 1] = demo.demo_reduce_scatter(env, example=1)
+            out["reduce_scatter", path, 2] = demo.demo_reduce_scatter(env, example=2)
 
     # all_to_all_uneven with rows of 2 columns, and a rank (the last) that receives nothing.
     r = env.rank
     pieces = [torch.full((r + 1 if j < P - 1 else 0, 2), 10.0 * r + j) for j in range(P)]
-    received, handle = comm.all_to_all_uneven(pieces)
+    received, handle = comm_extra.all_to_all_uneven(pieces)
     handle.wait()
     out["uneven_rows"] = [t.tolist() for t in received]
     try:
-        comm.all_to_all_uneven(pieces[:2])
+        comm_extra.all_to_all_uneven(pieces[:2])
     except ValueError as e:
         out["uneven_error"] = str(e)
 

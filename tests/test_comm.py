@@ -57,7 +57,7 @@ def fake_nccl(monkeypatch):
         output.copy_(input.view(4, -1)[0])
 
     monkeypatch.setattr(comm, "world_size", lambda group=None: 4)
-    monkeypatch.setattr(comm, "use_p2p", False)
+    monkeypatch.setattr(comm, "_use_p2p", False)
     monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(comm.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(comm.dist, "reduce_scatter_single", reduce_scatter_single)
@@ -91,12 +91,11 @@ def _fp16_means(env) -> dict[str, list[float]]:
     comm.all_reduce(t, average=True).wait()
     out["all_reduce"] = t.tolist()
     for path in ("native", "p2p"):
-        comm.use_p2p = path == "p2p"
-        full = torch.full((4,), 40000.0, dtype=torch.float16)
-        shard = torch.empty(2, dtype=torch.float16)
-        comm.reduce_scatter(shard, full, average=True).wait()
+        with comm.p2p(path == "p2p"):
+            full = torch.full((4,), 40000.0, dtype=torch.float16)
+            shard = torch.empty(2, dtype=torch.float16)
+            comm.reduce_scatter(shard, full, average=True).wait()
         out[path] = shard.tolist()
-    comm.use_p2p = None
     t = torch.full((3,), 40000.0, dtype=torch.float16)
     comm.all_reduce(t).wait()  # a plain sum: what averaging without pre-division meets
     out["sum"] = t.tolist()
@@ -108,6 +107,43 @@ def test_fp16_mean_of_large_values_does_not_overflow_on_gloo():
         assert out["all_reduce"] == [40000.0] * 3
         assert out["native"] == out["p2p"] == [40000.0] * 2
         assert out["sum"] == [float("inf")] * 3
+
+
+# ---------------------------------------------------------------------------------------
+# Older torch (2.6, 2.7) lacks `all_gather_single` / `reduce_scatter_single`; comm falls
+# back to `all_gather_into_tensor` / `reduce_scatter_tensor`.
+
+
+def _without_single_names(env) -> dict[str, object]:
+    import torch.distributed as dist
+
+    taken = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single")}
+    for name in taken:
+        delattr(dist, name)
+    try:
+        p, r = env.world_size, env.rank
+        out: dict[str, object] = {
+            "picked": [comm._native(op).__name__ for op in comm._NATIVE_NAMES]
+        }
+        with comm.p2p(False):  # the backend's own ops, the path the fallback serves
+            full = torch.arange(4.0) + 10 * r  # (P x 2,)
+            shard = torch.empty(2)
+            comm.reduce_scatter(shard, full, average=True).wait()
+            out["reduce_scatter"] = shard.tolist()
+            gathered = torch.empty(2 * p)
+            comm.all_gather(gathered, torch.tensor([float(r), r + 0.5])).wait()
+            out["all_gather"] = gathered.tolist()
+        return out
+    finally:
+        for name, fn in taken.items():
+            setattr(dist, name, fn)
+
+
+def test_older_collective_names_give_the_same_values():
+    for r, out in enumerate(run_distributed(_without_single_names, 2)):
+        assert out["picked"] == ["reduce_scatter_tensor", "all_gather_into_tensor"]
+        assert out["reduce_scatter"] == [5.0 + 2 * r, 6.0 + 2 * r]  # mean of r=0 and r=1
+        assert out["all_gather"] == [0.0, 0.5, 1.0, 1.5]
 
 
 # ---------------------------------------------------------------------------------------

@@ -113,9 +113,8 @@ def _overlap_trace(env):
     )  # one layer per bucket
     first = model[0].weight  # the last gradient backward produces
     first.register_post_accumulate_grad_hook(lambda p: comm.record("grad_ready", "layer0"))
-    comm.trace = []
-    engine.backward(model(torch.randn(8, 64)).square().mean())
-    events, comm.trace = comm.trace, None
+    with comm.tracing() as events:
+        engine.backward(model(torch.randn(8, 64)).square().mean())
     return len(engine.buckets), events
 
 

@@ -139,6 +139,21 @@ def test_mode_config_matches_the_constructor(mode):
     assert set(cfg) - {"name"} <= accepted
 
 
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_a_bucket_mb_sweep_composes_for_every_mode(mode):
+    """`mode.bucket_mb=...` over all modes: fsdp takes the key (and ignores it)."""
+    from hydra import compose, initialize_config_dir
+
+    import trainer.schema  # noqa: F401  (registers the schema conf/config.yaml extends)
+    from trainer.config import engine_options, validate
+
+    conf = Path(__file__).parent.parent / "conf"
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=[f"mode={mode}", "mode.bucket_mb=10"])
+    validate(cfg, 1)
+    assert engine_options(cfg)["bucket_mb"] == 10
+
+
 # -- parity -------------------------------------------------------------------------------
 
 
@@ -238,9 +253,8 @@ def _one_step_traced(env):
         block.attn.register_forward_pre_hook(lambda m, a, i=i: measure("forward", i))
         block.attn.register_forward_hook(in_backward(i))
     x, y = batches("gpt", 1, 4)[0]
-    comm.trace = []
-    engine.backward(any_loss(engine(x), y))
-    events, comm.trace = comm.trace, None
+    with comm.tracing() as events:
+        engine.backward(any_loss(engine(x), y))
     engine.step()
 
     with torch.no_grad():  # eval: gathers and frees unit by unit (measured too), no backward

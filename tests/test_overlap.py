@@ -14,9 +14,9 @@ STEPS, BATCH = 3, 24
 def _train_with_delay(env, delay_s: float, mode: str, kind: str):
     from trainer import comm
 
-    comm.delay_s = delay_s
     comm.stats.reset()
-    state = train_engine(env, mode, kind, "adamw", STEPS, BATCH, bucket_mb=0.0004)
+    with comm.delayed(delay_s):
+        state = train_engine(env, mode, kind, "adamw", STEPS, BATCH, bucket_mb=0.0004)
     return state, comm.stats.exposed_s, comm.stats.busy_s
 
 

@@ -29,11 +29,10 @@ def _both_paths(fn) -> dict[str, object]:
 
     out = {}
     for path in ("native", "p2p"):
-        comm.use_p2p = path == "p2p"
-        comm.stats.reset()
-        out[path] = fn()
-        out[path + "_bytes"] = dict(comm.stats.bytes_sent)
-    comm.use_p2p = None
+        with comm.p2p(path == "p2p"):
+            comm.stats.reset()
+            out[path] = fn()
+            out[path + "_bytes"] = dict(comm.stats.bytes_sent)
     return out
 
 
@@ -83,16 +82,16 @@ def _worker(env) -> dict:
 
     # Several in flight at once, a native collective launched between them, waited in
     # reverse order: every rank's sends must still meet the matching receives.
-    comm.use_p2p = True
-    fulls = [torch.full((p * k,), float(r + 1)) + torch.arange(p * k) for k in (5, 64, 1)]
-    outs = [torch.empty(k) for k in (5, 64, 1)]
-    handles = [comm.reduce_scatter(o, f) for o, f in zip(outs, fulls, strict=True)]
-    summed = torch.full((3,), float(r))
-    handles.append(comm.all_reduce(summed))
-    gathered = torch.empty(p * 2)
-    handles.append(comm.all_gather(gathered, torch.tensor([10.0 * r, 10.0 * r + 1])))
-    for h in reversed(handles):
-        h.wait()
+    with comm.p2p(True):
+        fulls = [torch.full((p * k,), float(r + 1)) + torch.arange(p * k) for k in (5, 64, 1)]
+        outs = [torch.empty(k) for k in (5, 64, 1)]
+        handles = [comm.reduce_scatter(o, f) for o, f in zip(outs, fulls, strict=True)]
+        summed = torch.full((3,), float(r))
+        handles.append(comm.all_reduce(summed))
+        gathered = torch.empty(p * 2)
+        handles.append(comm.all_gather(gathered, torch.tensor([10.0 * r, 10.0 * r + 1])))
+        for h in reversed(handles):
+            h.wait()
     res["in_flight"] = (outs, summed, gathered)
 
     # A subgroup: ranks split into evens and odds, each half exchanges on its own.
@@ -101,7 +100,6 @@ def _worker(env) -> dict:
         mine = halves[r % 2]
         full = torch.arange(4.0) + 100 * r  # (2 ranks x 2,)
         res["subgroup"] = _both_paths(lambda: _subgroup_rs(comm, full, mine))
-    comm.use_p2p = None
     return res
 
 

@@ -115,13 +115,12 @@ def _checkpointing(env, mode: str) -> dict:
             engine = _engine(mode, model, **(fsdp_options if mode == "fsdp" else {}))
             traces = []
             for x, y in _model_batches(name):
-                comm.trace = []
-                xr = rank_slice(x, env.rank, env.world_size)
-                yr = rank_slice(y, env.rank, env.world_size)
-                engine.backward(loss_fn(engine(xr), yr))
-                engine.step()
-                traces.append(comm.trace)
-            comm.trace = None
+                with comm.tracing() as trace:
+                    xr = rank_slice(x, env.rank, env.world_size)
+                    yr = rank_slice(y, env.rank, env.world_size)
+                    engine.backward(loss_fn(engine(xr), yr))
+                    engine.step()
+                traces.append(trace)
             out[name, flag] = {"state": engine.full_state_dict(), "trace": traces[-1]}
     return out
 

@@ -98,25 +98,24 @@ def _memory_probe(env):
     params[0].register_post_accumulate_grad_hook(lambda p: comm.record("grad_ready", "layer0"))
 
     x = torch.randn(8, WIDTH)
-    comm.trace = []
-    out = engine(x)
-    loss = out.square().mean()
-    engine.backward(loss)
-    after = grad_elements()
-    grads_none = all(p.grad is None for p in params)
-    # Every other fp32 storage alive in this process must be gradient state.
-    known = {t.untyped_storage().data_ptr() for t in [x, out, loss]}
-    known |= {b.flat.untyped_storage().data_ptr() for b in engine.buckets}
-    gc.collect()
-    swept = _elements(
-        o
-        for o in gc.get_objects()
-        if issubclass(type(o), torch.Tensor)
-        and o.dtype == torch.float32
-        and o.untyped_storage().data_ptr() not in known
-    )
-    engine.step()
-    trace, comm.trace = comm.trace, None
+    with comm.tracing() as trace:
+        out = engine(x)
+        loss = out.square().mean()
+        engine.backward(loss)
+        after = grad_elements()
+        grads_none = all(p.grad is None for p in params)
+        # Every other fp32 storage alive in this process must be gradient state.
+        known = {t.untyped_storage().data_ptr() for t in [x, out, loss]}
+        known |= {b.flat.untyped_storage().data_ptr() for b in engine.buckets}
+        gc.collect()
+        swept = _elements(
+            o
+            for o in gc.get_objects()
+            if issubclass(type(o), torch.Tensor)
+            and o.dtype == torch.float32
+            and o.untyped_storage().data_ptr() not in known
+        )
+        engine.step()
     flats = {b.flat.untyped_storage().data_ptr() for b in engine.buckets}
     return {
         "psi": sum(p.numel() for p in params),

@@ -1,9 +1,12 @@
-"""The only module that calls torch.distributed collectives.
+"""Every collective the trainer calls: the one place that launches torch.distributed ops.
 
 Every collective returns a `Handle`: the call launches the operation asynchronously and
 `Handle.wait()` is the one place a caller blocks on it. Keeping all of them here gives
 one spot for byte counting, timing (total vs. exposed communication time), backend
-fast paths and the test hooks (an event trace and an injected delay).
+fast paths and the test hooks (`tracing()`, `delayed()`, `p2p()`). Two neighbours use
+the same launch path: comm_p2p.py (the Gloo send/recv fast path for reduce-scatter and
+all-gather) and comm_extra.py (scatter and all-to-all, which only the demo and the
+benchmark use).
 
 Averages follow `average_plan` ([Note: averaging over ranks]): NCCL's own `ReduceOp.AVG`
 where it is safe, SUM and a division elsewhere.
@@ -14,12 +17,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+
+from trainer import comm_p2p
+from trainer.comm_p2p import P2PWork
 
 # ---------------------------------------------------------------------------------------
 # Accounting: bytes each rank sends per collective type (ring algorithm model), the time
@@ -66,12 +72,58 @@ class CommStats:
 
 stats = CommStats()
 
-# Test hooks. `trace` (a list, or None) receives (event, tag) tuples in issue order;
-# `delay_s` sleeps before each launch so tests can expose missing synchronisation.
-trace: list[tuple[str, str]] | None = None
-delay_s: float = 0.0
-
 _accounting = True  # False inside unaccounted()
+
+# ---------------------------------------------------------------------------------------
+# Test hooks, each a context manager that restores the previous setting on exit:
+# `tracing()` records (event, tag) tuples in issue order, `delayed(s)` sleeps before each
+# launch so tests can expose missing synchronisation, `p2p(flag)` forces comm_p2p's
+# send/recv collectives on or off.
+
+_trace: list[tuple[str, str]] | None = None
+_delay_s: float = 0.0
+_use_p2p: bool | None = None  # None: p2p on Gloo, native elsewhere; True/False force either
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[list[tuple[str, str]]]:
+    """Yield the list that launches and `record` events append to while the block runs."""
+    global _trace
+    saved, _trace = _trace, []
+    try:
+        yield _trace
+    finally:
+        _trace = saved
+
+
+@contextlib.contextmanager
+def delayed(seconds: float) -> Iterator[None]:
+    """Sleep `seconds` before every collective launched inside the block."""
+    global _delay_s
+    saved, _delay_s = _delay_s, seconds
+    try:
+        yield
+    finally:
+        _delay_s = saved
+
+
+@contextlib.contextmanager
+def p2p(enabled: bool | None) -> Iterator[None]:
+    """Force reduce_scatter / all_gather onto comm_p2p's sends (True) or the backend's
+    native op (False) inside the block; None restores the choice by backend."""
+    global _use_p2p
+    saved, _use_p2p = _use_p2p, enabled
+    try:
+        yield
+    finally:
+        _use_p2p = saved
+
+
+def _p2p_enabled(group) -> bool:
+    """[Note: p2p collectives on Gloo] in comm_p2p.py."""
+    if _use_p2p is not None:
+        return _use_p2p
+    return dist.get_backend(group) == "gloo"
 
 
 @contextlib.contextmanager
@@ -88,9 +140,9 @@ def unaccounted():
 
 
 def record(event: str, tag: str = "") -> None:
-    """Append an event to the trace when a test is recording; free otherwise."""
-    if trace is not None:
-        trace.append((event, tag))
+    """Append an event to the trace inside `tracing()`; free otherwise."""
+    if _trace is not None:
+        _trace.append((event, tag))
 
 
 class Handle:
@@ -101,7 +153,7 @@ class Handle:
 
     def __init__(
         self,
-        work: dist.Work | _P2PWork | None,
+        work: dist.Work | P2PWork | None,
         post: Callable[[], None] | None = None,
         keep: Sequence[torch.Tensor] = (),
         *,
@@ -224,7 +276,7 @@ def _union_s(intervals: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]]) -> 
 
 
 def _finish_on_comm_stream(
-    work: dist.Work | _P2PWork | None,
+    work: dist.Work | P2PWork | None,
     post: Callable[[], None] | None,
     device: torch.device,
     start: torch.cuda.Event | None,
@@ -287,8 +339,8 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 
 
 def _launch(op: str, tag: str, nbytes: float, account: bool = True) -> None:
-    if delay_s:
-        time.sleep(delay_s)
+    if _delay_s:
+        time.sleep(_delay_s)
     if account and _accounting:
         stats.bytes_sent[op] += nbytes
         stats.calls[op] += 1
@@ -320,7 +372,7 @@ class AveragePlan:
 
 def average_plan(backend: str, dtype: torch.dtype, p: int) -> AveragePlan:
     """How a collective averages `dtype` over `p` ranks on `backend` ("nccl", "gloo", or
-    "p2p" for this module's send/recv collectives). [Note: averaging over ranks]"""
+    "p2p" for comm_p2p's send/recv collectives). [Note: averaging over ranks]"""
     if p <= 1:
         return AveragePlan(ReduceOp.SUM)
     if dtype == torch.float16:
@@ -342,6 +394,19 @@ def _plan(average: bool, tensor: torch.Tensor, group, p2p: bool = False) -> Aver
 
 def _divide(t: torch.Tensor, n: float) -> Callable[[], None] | None:
     return (lambda: t.div_(n)) if n != 1 else None
+
+
+# Flat-tensor collectives: recent torch names them `*_single`; torch 2.6 and 2.7 have only
+# the older names, same arguments. Looked up per call, so a test can take one away.
+_NATIVE_NAMES = {
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+}
+
+
+def _native(op: str) -> Callable[..., dist.Work | None]:
+    new, old = _NATIVE_NAMES[op]
+    return getattr(dist, new, None) or getattr(dist, old)
 
 
 # ---------------------------------------------------------------------------------------
@@ -376,16 +441,16 @@ def reduce_scatter(
     ranks]): it is a send buffer, not to be read afterwards."""
     p = world_size(group)
     _check_split(output, input, p, "reduce_scatter")
-    p2p = _p2p_enabled(group)
-    plan = _plan(average, input, group, p2p)
+    via_p2p = _p2p_enabled(group)
+    plan = _plan(average, input, group, via_p2p)
     _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input))
     with _on_comm_stream(output, input, group=group) as start:
         if plan.pre != 1:
             input.div_(plan.pre)
-        if p2p:  # [Note: p2p collectives on Gloo]
-            work = _p2p_reduce_scatter(output, input, group)
+        if via_p2p:  # comm_p2p.py, [Note: p2p collectives on Gloo]
+            work = comm_p2p.reduce_scatter(output, input, group)
         else:
-            work = dist.reduce_scatter_single(output, input, op=plan.op, group=group, async_op=True)
+            work = _native("reduce_scatter")(output, input, op=plan.op, group=group, async_op=True)
     return Handle(work, _divide(output, plan.post), keep=(output, input), start=start, group=group)
 
 
@@ -395,10 +460,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", grou
     _check_split(input, output, p, "all_gather")
     _launch("all_gather", tag, (p - 1) * _nbytes(input))
     with _on_comm_stream(output, input, group=group) as start:
-        if _p2p_enabled(group):  # [Note: p2p collectives on Gloo]
-            work = _p2p_all_gather(output, input, group)
+        if _p2p_enabled(group):  # comm_p2p.py, [Note: p2p collectives on Gloo]
+            work = comm_p2p.all_gather(output, input, group)
         else:
-            work = dist.all_gather_single(output, input, group=group, async_op=True)
+            work = _native("all_gather")(output, input, group=group, async_op=True)
     return Handle(work, keep=(output, input), start=start, group=group)
 
 
@@ -430,44 +495,6 @@ def gather(
     return Handle(dist.gather(tensor, gather_list, dst, group=group, async_op=True))
 
 
-def scatter(
-    output: torch.Tensor,
-    scatter_list: list[torch.Tensor] | None,
-    src: int = 0,
-    *,
-    tag: str = "",
-    group=None,
-) -> Handle:
-    """Rank r receives `scatter_list[r]` from rank `src`."""
-    sent = sum(_nbytes(t) for t in scatter_list[1:]) if scatter_list and rank(group) == src else 0
-    _launch("scatter", tag, sent)
-    return Handle(dist.scatter(output, scatter_list, src, group=group, async_op=True))
-
-
-def all_to_all(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    output_splits: Sequence[int] | None = None,
-    input_splits: Sequence[int] | None = None,
-    *,
-    tag: str = "",
-    group=None,
-) -> Handle:
-    """Rank r's j-th input piece lands as rank j's r-th output piece (splits along dim 0)."""
-    p = world_size(group)
-    if input_splits is None:
-        sent = (p - 1) / p * _nbytes(input)
-    else:
-        row = _nbytes(input) / max(input.shape[0], 1)
-        sent = row * (sum(input_splits) - input_splits[rank(group)])
-    _launch("all_to_all", tag, sent)
-    with _on_comm_stream(output, input, group=group) as start:
-        work = dist.all_to_all_single(
-            output, input, output_splits, input_splits, group=group, async_op=True
-        )
-    return Handle(work, keep=(output, input), start=start, group=group)
-
-
 def barrier(*, tag: str = "", group=None) -> Handle:
     _launch("barrier", tag, 0)
     return Handle(dist.barrier(group=group, async_op=True))
@@ -493,132 +520,3 @@ def _check_split(shard: torch.Tensor, full: torch.Tensor, p: int, op: str) -> No
         raise ValueError(
             f"{op}: full tensor has {full.numel()} elements, expected {p} x {shard.numel()}"
         )
-
-
-# ---------------------------------------------------------------------------------------
-# Reduce-scatter and all-gather built from point-to-point sends: the Gloo fast path.
-#
-# [Note: p2p collectives on Gloo]
-# Gloo runs reduce_scatter as a whole all-reduce and its all_gather is slow. Both are
-# short to write from sends and receives that move exactly the textbook (P-1)/P of the
-# full buffer per rank, the same bytes as the ring algorithm:
-#
-#   reduce-scatter: rank r sends its chunk j to rank j (every j != r) and receives chunk
-#       r from every other rank; wait() adds those P-1 chunks to its own chunk r.
-#   all-gather: rank r sends its shard to every other rank and receives theirs straight
-#       into their places in `output`.
-#
-# All 2(P-1) messages are posted at once (one batch_isend_irecv) and the backend's
-# threads move them, so the Handle is in flight while the caller computes. Every rank's
-# k-th message goes k ranks ahead, so the first messages spread over all ranks instead
-# of all landing on rank 0. A ring (P-1 dependent steps: receive from r-1, add, forward
-# to r+1) sends the same bytes but needs a helper thread to chain its steps; it measured
-# slower than this on Gloo at every size and world size tried (docs/comm_bench.md). The
-# price is a receive buffer of (P-2)/P of the input per reduce-scatter in flight, (P-1)/P
-# when the output is the input's own chunk (a ring needs 2/P).
-# NCCL's native collectives are already bandwidth-optimal rings/trees: NCCL stays native.
-
-use_p2p: bool | None = None  # None: p2p on Gloo, native elsewhere; True/False force either
-
-_P2P_TAG = 0x50325043  # tag of these messages, apart from any other p2p traffic
-
-
-def _p2p_enabled(group) -> bool:
-    if use_p2p is not None:
-        return use_p2p
-    return dist.get_backend(group) == "gloo"
-
-
-class _P2PWork:
-    """Sends and receives in flight; `wait()` waits for all, then runs `finish`."""
-
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None):
-        self._works = works
-        self._finish = finish
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        if self._finish is not None:
-            self._finish()
-        return True
-
-
-def _exchange(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group
-) -> list[dist.Work]:
-    """Post every (tensor, group rank) send and receive at once."""
-    ops = [
-        dist.P2POp(dist.isend, t, group=group, tag=_P2P_TAG, group_peer=peer) for t, peer in sends
-    ]
-    ops += [
-        dist.P2POp(dist.irecv, t, group=group, tag=_P2P_TAG, group_peer=peer) for t, peer in recvs
-    ]
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _p2p_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> _P2PWork:
-    p, r = world_size(group), rank(group)
-    chunks = input.view(p, -1)  # (P, n): chunk j is summed on rank j
-    out = output.view(-1)  # (n,); may be chunks[r] itself (in place)
-    # Out of place, the first chunk received lands straight in `out`: one receive buffer
-    # fewer (none at P=2) and no copy of chunks[r]; a + b == b + a, so the sum is the same.
-    direct = p > 1 and out.data_ptr() != chunks[r].data_ptr()
-    received = input.new_empty((p - 1 - direct, out.numel()))  # (P-1 or P-2, n)
-    rows = [out, *received] if direct else list(received)  # row k-1 from rank r-k
-    works = _exchange(
-        [(chunks[(r + k) % p], (r + k) % p) for k in range(1, p)],
-        [(rows[k - 1], (r - k) % p) for k in range(1, p)],
-        group,
-    )
-
-    def finish() -> None:
-        if direct:
-            out.add_(chunks[r])
-        elif out.data_ptr() != chunks[r].data_ptr():  # P = 1
-            out.copy_(chunks[r])
-        for row in received:
-            out.add_(row)
-
-    return _P2PWork(works, finish)
-
-
-def _p2p_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> _P2PWork:
-    p, r = world_size(group), rank(group)
-    chunks = output.view(p, -1)  # (P, n): chunk j is rank j's shard
-    shard = input.view(-1)  # (n,); may be chunks[r] itself (in place)
-    if shard.data_ptr() != chunks[r].data_ptr():
-        chunks[r].copy_(shard)
-    works = _exchange(
-        [(chunks[r], (r + k) % p) for k in range(1, p)],
-        [(chunks[(r - k) % p], (r - k) % p) for k in range(1, p)],
-        group,
-    )
-    return _P2PWork(works)
-
-
-# ---------------------------------------------------------------------------------------
-# Uneven all-to-all, as MoE token dispatch uses it.
-
-
-def all_to_all_uneven(
-    pieces: Sequence[torch.Tensor], *, tag: str = "", group=None
-) -> tuple[list[torch.Tensor], Handle]:
-    """Send `pieces[j]` (any number of rows along dim 0, zero included) to rank j.
-
-    The receiver cannot size its buffer without knowing what is coming, so the split
-    sizes go first, in a small all-to-all this call waits for; the payload all-to-all is
-    returned in flight. Returns the received pieces in source-rank order (valid once the
-    handle is waited) and the handle.
-    """
-    p = world_size(group)
-    if len(pieces) != p:
-        raise ValueError(f"all_to_all_uneven: got {len(pieces)} pieces for world size {p}")
-    sizes = torch.tensor([t.shape[0] for t in pieces], dtype=torch.int64, device=pieces[0].device)
-    incoming = torch.empty_like(sizes)
-    all_to_all(incoming, sizes, tag=tag, group=group).wait()  # (P,): rows from each rank
-    input_splits, output_splits = sizes.tolist(), incoming.tolist()
-    input = torch.cat(list(pieces))  # (sum sent, ...)
-    output = input.new_empty((sum(output_splits), *input.shape[1:]))  # (sum received, ...)
-    handle = all_to_all(output, input, output_splits, input_splits, tag=tag, group=group)
-    return list(output.split(output_splits)), handle

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.models import accuracy, loss_fn
 from trainer.optim import lr_scheduler, optimizer_factory, param_options
 from trainer.parallel import build_engine
+from trainer.parallel.engine import Engine
 from trainer.profiling import maybe_profile
 
 
@@ -52,6 +55,55 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
+    run = build_run(cfg, env)
+    start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
+    run.bar.update(start)
+    comm.stats.reset()
+    run.engine.train()
+    with maybe_profile(cfg.profile, run.run_dir, env.rank) as prof:
+        for step in range(start + 1, cfg.train.steps + 1):
+            stop = train_step(run, step)
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                log_metrics(run, step)
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                run_eval(run, step)
+            path = checkpoint.maybe_save(
+                cfg, run.engine, run.run_dir, step, force=stop, **run.resumable
+            )
+            run.bar.update(1)
+            prof.step()
+            if stop and step < cfg.train.steps:
+                raise preempt.Stopped(step, path, preempt.signal_name())
+    return finish(run)
+
+
+@dataclass
+class Run:
+    """What a training run holds from one step to the next."""
+
+    cfg: DictConfig
+    env: tdist.DistEnv
+    run_dir: Path
+    owner: rundir.Owner
+    engine: Engine
+    scheduler: Any
+    batches: Iterator
+    eval_loader: Any
+    writer: Rank0Writer
+    metrics: IntervalMetrics
+    bar: tqdm
+    # Objects a checkpoint saves and restores through state_dict(), with the engine and
+    # the RNG states.
+    resumable: dict[str, Any]
+    lr: float  # the learning rate the last optimizer step used
+    skipped: int = 0  # steps skipped for a non-finite loss
+    last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+
+def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
+    """Model, data, engine, schedule and writers, in an order that fixes the RNG draws: a
+    resumed run must continue the same random streams."""
     run_dir = shared_run_dir(env)
     # Before anything of this run is written: one owner per directory, and stop
     # cleanly on SIGTERM from here on.
@@ -83,7 +135,6 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         **engine_options(cfg),
     )
     scheduler = lr_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)
-    accum, clip = cfg.train.grad_accum_steps, cfg.optim.clip_grad_norm
 
     writer = Rank0Writer(run_dir, env.is_rank0)
     writer.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
@@ -94,89 +145,94 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         peak_flops=peak_flops(env.device, engine.precision.param_dtype),  # None on CPU
     )
     bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
-    last: dict[str, float] = {}
-    last_eval: dict[str, float] = {}
     lr = scheduler.get_last_lr()[0]
-    batches = iter(loader)
-    # Objects a checkpoint saves and restores through state_dict(), with the engine and
-    # the RNG states; resuming comes after iter(loader), which draws from the RNG.
+    batches = iter(loader)  # draws from the RNG: before resuming, which restores it
     resumable = {
         "sampler": loader.batch_sampler,
         "scheduler": scheduler,
         "loss_scaler": engine.scaler,
     }
-    start = checkpoint.maybe_resume(cfg, engine, run_dir, **resumable)
-    bar.update(start)
-    skipped = 0
-    comm.stats.reset()
-    engine.train()
-    with maybe_profile(cfg.profile, run_dir, env.rank) as prof:
-        for step in range(start + 1, cfg.train.steps + 1):
-            inputs, targets = (t.to(env.device, non_blocking=True) for t in next(batches))
-            t0 = time.perf_counter()
-            loss, correct = forward_backward(engine, inputs, targets, accum)
-            finite, stop = agree_on_step(loss, preempt.requested())
-            if finite:
-                grad_norm = engine.clip_grad_norm_(clip) if clip else None
-                if engine.step():
-                    lr = scheduler.get_last_lr()[0]  # the lr this step used
-                    scheduler.step()
-                else:  # fp16 gradients overflowed: no update; the loss scale was lowered
-                    grad_norm = None
-                metrics.add(
-                    loss,
-                    correct,
-                    targets.numel(),
-                    time.perf_counter() - t0,
-                    samples=targets.shape[0],
-                    grad_norm=grad_norm,
-                )
-            elif cfg.train.on_nonfinite == "skip":
-                engine.zero_grad()  # drop this step's gradients on every rank alike
-                skipped += 1
-            else:
-                raise TrainingError(
-                    f"loss is not finite at step {step}; lower optim.lr, or set "
-                    "train.on_nonfinite=skip to skip such steps"
-                )
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                values = metrics.reduce()
-                if values:  # rank 0, with at least one step that was not skipped
-                    values["train/lr"] = lr
-                    if engine.scaler.enabled:
-                        values["train/loss_scale"] = engine.scaler.scale
-                        values["train/overflow_steps"] = engine.scaler.skipped
-                    last = values
-                    writer.scalars(values, step)
-                    bar.set_postfix(
-                        loss=f"{values['train/loss']:.4f}", acc=f"{values['train/accuracy']:.3f}"
-                    )
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                values = evaluate(engine, eval_loader, env.device)
-                if values:  # rank 0
-                    last_eval = values
-                    writer.scalars(values, step)
-            path = checkpoint.maybe_save(cfg, engine, run_dir, step, force=stop, **resumable)
-            bar.update(1)
-            prof.step()
-            if stop and step < cfg.train.steps:
-                raise preempt.Stopped(step, path, preempt.signal_name())
-    bar.close()
+    return Run(
+        cfg, env, run_dir, owner, engine, scheduler, batches, eval_loader, writer, metrics,
+        bar, resumable, lr,
+    )  # fmt: skip
+
+
+def train_step(run: Run, step: int) -> bool:
+    """One optimizer step (or a skipped one); returns whether the run is to stop after it."""
+    cfg, engine = run.cfg, run.engine
+    inputs, targets = (t.to(run.env.device, non_blocking=True) for t in next(run.batches))
+    t0 = time.perf_counter()
+    loss, correct = forward_backward(engine, inputs, targets, cfg.train.grad_accum_steps)
+    finite, stop = agree_on_step(loss, preempt.requested())
+    if finite:
+        clip = cfg.optim.clip_grad_norm
+        grad_norm = engine.clip_grad_norm_(clip) if clip else None
+        if engine.step():
+            run.lr = run.scheduler.get_last_lr()[0]  # the lr this step used
+            run.scheduler.step()
+        else:  # fp16 gradients overflowed: no update; the loss scale was lowered
+            grad_norm = None
+        run.metrics.add(
+            loss,
+            correct,
+            targets.numel(),
+            time.perf_counter() - t0,
+            samples=targets.shape[0],
+            grad_norm=grad_norm,
+        )
+    elif cfg.train.on_nonfinite == "skip":
+        engine.zero_grad()  # drop this step's gradients on every rank alike
+        run.skipped += 1
+    else:
+        raise TrainingError(
+            f"loss is not finite at step {step}; lower optim.lr, or set "
+            "train.on_nonfinite=skip to skip such steps"
+        )
+    return stop
+
+
+def log_metrics(run: Run, step: int) -> None:
+    """Reduce the interval's metrics to rank 0, write them and show them on the bar."""
+    values = run.metrics.reduce()
+    if values:  # rank 0, with at least one step that was not skipped
+        values["train/lr"] = run.lr
+        if run.engine.scaler.enabled:
+            values["train/loss_scale"] = run.engine.scaler.scale
+            values["train/overflow_steps"] = run.engine.scaler.skipped
+        run.last = values
+        run.writer.scalars(values, step)
+        run.bar.set_postfix(
+            loss=f"{values['train/loss']:.4f}", acc=f"{values['train/accuracy']:.3f}"
+        )
+
+
+def run_eval(run: Run, step: int) -> None:
+    values = evaluate(run.engine, run.eval_loader, run.env.device)
+    if values:  # rank 0
+        run.last_eval = values
+        run.writer.scalars(values, step)
+
+
+def finish(run: Run) -> dict[str, Any]:
+    """The final model and summary; returns the summary."""
+    cfg, env, engine, run_dir, last = run.cfg, run.env, run.engine, run.run_dir, run.last
+    run.bar.close()
     final = {
         "step": cfg.train.steps,
         "mode": cfg.mode.name,
         "world_size": env.world_size,
-        "skipped_steps": skipped,
+        "skipped_steps": run.skipped,
         "overflow_steps": engine.scaler.skipped,
         "run_dir": str(run_dir),
         **last,
-        **last_eval,
+        **run.last_eval,
     }
     if cfg.train.save_final:
         save_final_model(engine, run_dir / "final_model.pt", env.is_rank0)
-    writer.final(final)
-    writer.close()
-    owner.release()
+    run.writer.final(final)
+    run.writer.close()
+    run.owner.release()
     if env.is_rank0:
         print(
             f"done: {final['mode']} on {env.world_size} rank(s), step {final['step']}, "

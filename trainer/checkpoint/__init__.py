@@ -1,0 +1,41 @@
+"""Sharded, atomic checkpoints: save, resume (also into another mode or world size) and
+consolidate into one state_dict. What they give a user: README.md, "Checkpoints".
+
+    start = checkpoint.maybe_resume(cfg, engine, run_dir, sampler=sampler)   # before the loop
+    checkpoint.maybe_save(cfg, engine, run_dir, step, sampler=sampler)       # after each step
+
+  files.py      the directory and file format; checksummed writes, checked reads
+  saving.py     every rank writes, rank 0 commits by a rename [Note: atomic checkpoints]
+  resume.py     which checkpoint to resume, loading it into an engine [Note: run lineage]
+  recutting.py  a checkpoint into another layout; consolidate [Note: re-cutting shards]
+  rng.py        each rank's RNG states
+  agree.py      what every rank must learn alike (errors, rank 0's decisions)
+  faults.py     kills and hangs at chosen points, for tests [Note: fault injection]
+"""
+
+from trainer.checkpoint.files import (
+    checkpoint_dir,
+    find_checkpoints,
+    read_meta,
+    read_rank,
+    step_dir,
+    write_file,
+)
+from trainer.checkpoint.recutting import consolidate
+from trainer.checkpoint.resume import check_config, load, maybe_resume
+from trainer.checkpoint.saving import maybe_save, save
+
+__all__ = [
+    "check_config",
+    "checkpoint_dir",
+    "consolidate",
+    "find_checkpoints",
+    "load",
+    "maybe_resume",
+    "maybe_save",
+    "read_meta",
+    "read_rank",
+    "save",
+    "step_dir",
+    "write_file",
+]

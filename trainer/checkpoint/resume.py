@@ -1,0 +1,242 @@
+"""Resuming: which checkpoint `resume` picks, and loading it into an engine.
+
+[Note: run lineage]
+Checkpoints under one `ckpt.dir` belong to one run and the runs that resumed it. A fresh
+run (resume=null) refuses a directory that already holds checkpoints, instead of writing
+its own steps between another run's; resume=auto takes only checkpoints of the lineage
+named in `ckpt.dir/lineage`; resume=PATH continues PATH's lineage and refuses a
+`ckpt.dir` that holds another's. Two processes never share a directory at the same time:
+trainer/rundir.py locks it for the run.
+`ckpt.dir` must be a filesystem that every rank sees (one machine, or a shared mount).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import comm
+from trainer.checkpoint import agree, files
+from trainer.checkpoint.recutting import prepare
+from trainer.checkpoint.rng import set_rng_state
+from trainer.errors import ConfigError
+
+
+def check_config(cfg: DictConfig) -> None:
+    for key in ("every", "keep"):
+        value = cfg.ckpt[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"ckpt.{key}={value!r} must be a whole number >= 0")
+
+
+def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int:
+    """Load the checkpoint `resume` names and return its step, or 0 to start afresh.
+
+    resume=auto: the newest complete checkpoint of this directory's lineage under
+    ckpt.dir that loads (a newer one that does not is skipped, with a warning naming the
+    file); none: one line says so and the run starts from step 0. resume=PATH: that
+    checkpoint, or an error. resume=null: start afresh into a ckpt.dir without
+    checkpoints, except in a group torchrun has restarted (TORCHELASTIC_RESTART_COUNT >
+    0), which resumes as with auto. Values given on the command line win over the
+    checkpoint's (optimizer hyperparameters, schedule); one line names those that differ.
+    """
+    check_config(cfg)
+    choice = cfg.get("resume")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if choice is None and restarted:
+        choice = "auto"
+    directory = files.checkpoint_dir(cfg, run_dir)
+    if choice is None:
+        agree.agree(_claim, directory, None)
+        return 0
+    if str(choice) != "auto":
+        path = Path(str(choice))
+        agree.agree(_claim, directory, (files.marker(path) or {}).get("run") or "")
+        meta = _load(path, engine, **stateful)
+        _check_resumable(cfg, path, meta)
+        agree.say(f"resumed from {choice} at step {meta['step']}")
+        return int(meta["step"])
+    # Every rank tries the same candidates in the same order.
+    found: list[Any] = agree.agree(_candidates, directory)
+    for i, path in enumerate(found):
+        try:
+            meta = _load(path, engine, **stateful)
+        except ConfigError as e:
+            if i == len(found) - 1:
+                raise
+            agree.say(f"warning: skipping checkpoint {path}: {e}")
+            continue
+        _check_resumable(cfg, path, meta)
+        agree.agree(_claim, directory, (files.marker(path) or {}).get("run") or "")
+        agree.say(f"resumed from {path} at step {meta['step']}")
+        return int(meta["step"])
+    agree.agree(_claim, directory, None)
+    hint = "is ckpt.dir right?"
+    if restarted:
+        hint = "restarted: give a fixed hydra.run.dir or ckpt.dir so that a restart finds them"
+    agree.say(
+        f"warning: resume=auto found no checkpoint under {directory}; starting from step 0 ({hint})"
+    )
+    return 0
+
+
+def _candidates(directory: Path) -> list[Path]:
+    """resume=auto's candidates, newest first: those of the directory's lineage."""
+    lineage, found = files.lineage(directory), files.find_checkpoints(directory)
+    if lineage is None:
+        return found
+    ours = [p for p in found if (files.marker(p) or {}).get("run") == lineage]
+    for p in found:
+        if p not in ours:
+            agree.say(f"warning: skipping checkpoint {p}: it belongs to another run than {lineage}")
+    return ours
+
+
+def _claim(directory: Path, lineage: str | None) -> str:
+    """Make `directory` this run's ([Note: run lineage]): a new lineage when `lineage`
+    is None (a fresh run), else `lineage` ("" for a checkpoint written before lineages).
+    Refuses a directory holding checkpoints of another lineage. Rank 0 alone."""
+    theirs = sorted(
+        (p for p in Path(directory).glob("step_*") if p.name[5:].isdigit()), key=files.step_of
+    )
+    owner = files.lineage(directory)
+    if lineage is None and theirs:
+        raise ConfigError(
+            f"ckpt.dir {directory} already holds checkpoints of another run (up to "
+            f"{theirs[-1].name}); continue that run with resume=auto, or start this one in "
+            "a new hydra.run.dir or ckpt.dir"
+        )
+    if lineage and owner and owner != lineage and theirs:
+        raise ConfigError(
+            f"ckpt.dir {directory} holds checkpoints of another run ({owner}) than the one "
+            "resumed; give this run a new hydra.run.dir or ckpt.dir"
+        )
+    lineage = lineage or owner or uuid.uuid4().hex
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        if owner != lineage:
+            files.write_text(Path(directory) / files.LINEAGE, lineage)
+    except OSError as e:
+        raise ConfigError(f"ckpt.dir {directory} is not writable: {e.strerror}") from None
+    return lineage
+
+
+# Keys a resumed run must share with its checkpoint: the sampler's position means
+# nothing in another permutation or another dataset. (`root` and `download` only say
+# where the files are.)
+_FIXED_ON_RESUME = ("seed", "data.dataset")
+
+
+_WHERE_KEYS = ("root", "download")
+
+
+def _check_resumable(cfg: DictConfig, path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a changed seed or dataset; name the values that differ from the
+    checkpoint's and take this run's (optimizer, schedule, steps) in one line."""
+    if not meta.get("config") or "optim" not in cfg:
+        return  # a checkpoint saved by code outside the trainer (tests, own loops)
+    saved = OmegaConf.create(meta["config"])
+    for key in _FIXED_ON_RESUME:
+        mine, theirs = _plain(OmegaConf.select(cfg, key)), _plain(OmegaConf.select(saved, key))
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            mine = {k: v for k, v in mine.items() if k not in _WHERE_KEYS}
+            theirs = {k: v for k, v in theirs.items() if k not in _WHERE_KEYS}
+        if mine != theirs:
+            raise ConfigError(
+                f"{key}={_show(mine)} differs from checkpoint {path}'s {key}={_show(theirs)}: "
+                "the data order would not continue; resume with the same value, or start "
+                "a fresh run"
+            )
+    changed = []
+    for key in ("optim", "train.steps"):
+        mine, theirs = _flatten(key, cfg), _flatten(key, saved)
+        changed += [
+            f"{k}={_show(v)} (checkpoint: {_show(theirs.get(k))})"
+            for k, v in mine.items()
+            if theirs.get(k) != v
+        ]
+    if changed:
+        agree.say(f"resumed with values that differ from the checkpoint's: {', '.join(changed)}")
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node
+
+
+def _flatten(key: str, cfg: DictConfig) -> dict[str, Any]:
+    node = OmegaConf.select(cfg, key)
+    if not OmegaConf.is_config(node):
+        return {key: node}
+    return {f"{key}.{k}": _plain(node[k]) for k in node}
+
+
+def _show(value: Any) -> str:
+    return str(value).replace("\n", " ")
+
+
+def load(path: Path, engine, **stateful: Any) -> int:
+    """Load checkpoint `path` into `engine` (and `stateful` objects); return its step.
+
+    Every rank calls it. All files are read and checked before anything changes: a
+    missing, truncated, corrupted or mismatched file raises ConfigError naming it, on
+    every rank alike, with the engine untouched and nothing on disk modified.
+    """
+    return int(_load(path, engine, **stateful)["step"])
+
+
+def _load(path: Path, engine, **stateful: Any) -> dict[str, Any]:
+    path = Path(path)
+    prepared, error = None, None
+    try:
+        prepared = prepare(path, engine)
+    except ConfigError as e:
+        error = str(e)
+    except Exception as e:  # reading must fail alike on every rank, not leave one behind
+        error = f"checkpoint {path} cannot be loaded: {type(e).__name__}: {agree.line(e)}"
+    with comm.unaccounted():
+        error = agree.first_error(error, agree.device_of(engine))
+    if error is not None:
+        raise ConfigError(error)
+    meta, state, rng = prepared
+    mine = _hparams(engine.optimizer)  # the values this run was built with
+    for name, obj in stateful.items():
+        if name in meta["state"]:
+            try:
+                obj.load_state_dict(meta["state"][name])
+            except ConfigError as e:
+                raise ConfigError(f"{path / 'meta.pt'}: {e}") from None
+    with comm.unaccounted():
+        engine.load_sharded_state(state)
+    _keep_hparams(engine.optimizer, mine, stateful.get("scheduler"))
+    if rng is not None:
+        set_rng_state(rng)
+    return meta
+
+
+def _hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _keep_hparams(optimizer: torch.optim.Optimizer, mine: list[dict[str, Any]], scheduler) -> None:
+    """Put this run's hyperparameters back over the checkpoint's, which the engine
+    loaded: what the user passes (a lower lr on resume) wins. The learning rate is the
+    base lr (`initial_lr`) times the schedule's factor at the restored position, as the
+    scheduler computes it, so an unchanged run continues bitwise as before."""
+    for group, values in zip(optimizer.param_groups, mine, strict=True):
+        group.update({k: v for k, v in values.items() if k != "lr"})
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:  # no schedule: the lr is the configured one
+        for group, values in zip(optimizer.param_groups, mine, strict=True):
+            group["lr"] = values["lr"]
+        return
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
