@@ -107,7 +107,9 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     run_dir = shared_run_dir(env)
     # Before anything of this run is written: one owner per directory, and stop
     # cleanly on SIGTERM from here on.
-    owner = rundir.claim([run_dir, checkpoint.checkpoint_dir(cfg, run_dir)])
+    owner = rundir.claim(
+        {"hydra.run.dir": run_dir, "ckpt.dir": checkpoint.checkpoint_dir(cfg, run_dir)}
+    )
     preempt.install()
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(env.device)

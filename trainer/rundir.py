@@ -1,6 +1,6 @@
 """One owner per run directory: a lock that a second launch finds at start.
 
-    owner = rundir.claim([run_dir, ckpt_dir])   # every rank; rank 0 takes the locks
+    owner = rundir.claim({"hydra.run.dir": run_dir, "ckpt.dir": ckpt_dir})  # every rank
     ...
     owner.release()                               # at the end (a dead process's goes by itself)
 
@@ -47,16 +47,17 @@ class Owner:
         self.fds = []
 
 
-def claim(directories: list[Path]) -> Owner:
-    """Lock each of `directories` (created if needed) for this run; every rank calls it
-    and every rank raises ConfigError alike when one is held by another run or cannot
-    be written."""
+def claim(directories: dict[str, Path]) -> Owner:
+    """Lock each of `directories` (by the config key that names it; created if needed)
+    for this run; every rank calls it and every rank raises ConfigError alike when one
+    is held by another run or cannot be written."""
     result: list = [None]
     if comm.rank() == 0:
         fds: list[int] = []
+        names = {Path(os.path.abspath(d)): key for key, d in directories.items()}
         try:
-            for d in _outermost(directories):
-                fds.append(_lock(d))
+            for d in _outermost(list(directories.values())):
+                fds.append(_lock(d, names[d]))
             result = [None]
         except ConfigError as e:
             for fd in fds:
@@ -82,13 +83,13 @@ def _outermost(directories: list[Path]) -> list[Path]:
     ]
 
 
-def _lock(directory: Path) -> int:
+def _lock(directory: Path, key: str) -> int:
     path = directory / LOCK
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise ConfigError(f"{directory} is not writable: {e.strerror}") from None
+        raise ConfigError(f"{key} {directory} is not writable: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -317,7 +317,7 @@ class Engine(ABC):
     def eval(self) -> Engine:
         return self.train(False)
 
-    # -- checkpoints (trainer/checkpoint.py; the layout code is in state.py) -----------------
+    # -- checkpoints (trainer/checkpoint/; the layout code is in state.py) -------------------
     @abstractmethod
     def shard_groups(self) -> list[ShardGroup]:
         """Where this rank's trainable state lives, one group per flat buffer of the mode
