@@ -109,3 +109,36 @@ def test_a_rank_that_left_a_parameter_unused_reads_the_used_flags(reads, mode):
     count, where, ops = reads[mode, "unused", "fp32", False]
     assert count == 3 and set(where) == {"unused parameters"}
     assert ops == ["nonzero"] * 3
+
+
+def _train_and_count(env, run_dir: str) -> list[str]:
+    """The trainer's own loop, 12 steps, logging every 4: which host reads it makes."""
+    from hydra import compose, initialize_config_dir
+    from test_cli import ROOT
+
+    from trainer import host
+    from trainer import loop as trainer_loop
+
+    overrides = [
+        "mode=zero",
+        "model.hidden=16",
+        "model.depth=2",
+        "train.steps=12",
+        "train.log_every=4",
+        "ckpt.every=0",
+        "train.save_final=false",
+    ]
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    # No Hydra run here: the run directory is the test's.
+    trainer_loop.shared_run_dir = lambda env, run_dir=run_dir: __import__("pathlib").Path(run_dir)
+    with host.counting() as reads:
+        trainer_loop._train(cfg, env)
+    return reads.where
+
+
+def test_the_training_loop_reads_the_device_at_check_steps_only(tmp_path):
+    # 12 steps, checks at 4, 8 and 12 (log steps; the last step): the non-finite loss
+    # and SIGTERM agreement is read there and nowhere else.
+    where = run_distributed(_train_and_count, 2, str(tmp_path))[0]
+    assert where == ["check step"] * 3

@@ -22,6 +22,7 @@ from trainer.config import engine_options, validate
 from trainer.data import make_eval_loader, make_loader
 from trainer.errors import TrainingError
 from trainer.fit import check_fit
+from trainer.guard import Guard
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.models import accuracy, loss_fn
@@ -62,7 +63,8 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     run.engine.train()
     with maybe_profile(cfg.profile, run.run_dir, env.rank) as prof:
         for step in range(start + 1, cfg.train.steps + 1):
-            stop = train_step(run, step)
+            train_step(run, step)
+            stop = check_step(run, step) if is_check_step(cfg, step) else False
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 log_metrics(run, step)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:
@@ -96,6 +98,7 @@ class Run:
     # the RNG states.
     resumable: dict[str, Any]
     lr: float  # the learning rate the last optimizer step used
+    guard: Guard  # non-finite losses and stop requests ([Note: checking the loss ...])
     skipped: int = 0  # steps skipped for a non-finite loss
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
     last_eval: dict[str, float] = field(default_factory=dict)
@@ -156,39 +159,58 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     }
     return Run(
         cfg, env, run_dir, owner, engine, scheduler, batches, eval_loader, writer, metrics,
-        bar, resumable, lr,
+        bar, resumable, lr, Guard(env.device),
     )  # fmt: skip
 
 
-def train_step(run: Run, step: int) -> bool:
-    """One optimizer step (or a skipped one); returns whether the run is to stop after it."""
+def train_step(run: Run, step: int) -> None:
+    """One optimizer step, or a skipped one. No host reads in a steady step: see
+    [Note: checking the loss without a host sync] in guard.py."""
     cfg, engine = run.cfg, run.engine
     inputs, targets = (t.to(run.env.device, non_blocking=True) for t in next(run.batches))
     t0 = time.perf_counter()
     loss, correct = forward_backward(engine, inputs, targets, cfg.train.grad_accum_steps)
-    finite, stop = agree_on_step(loss, preempt.requested())
-    if finite:
-        clip = cfg.optim.clip_grad_norm
-        grad_norm = engine.clip_grad_norm_(clip) if clip else None
-        if engine.step():
-            run.lr = run.scheduler.get_last_lr()[0]  # the lr this step used
-            run.scheduler.step()
-        else:  # fp16 gradients overflowed: no update; the loss scale was lowered
-            grad_norm = None
-        run.metrics.add(
-            loss,
-            correct,
-            targets.numel(),
-            time.perf_counter() - t0,
-            samples=targets.shape[0],
-            grad_norm=grad_norm,
-        )
-    elif cfg.train.on_nonfinite == "skip":
-        engine.zero_grad()  # drop this step's gradients on every rank alike
-        run.skipped += 1
+    if cfg.train.on_nonfinite == "skip":
+        if not run.guard.finite_now(loss):
+            engine.zero_grad()  # drop this step's gradients on every rank alike
+            run.skipped += 1
+            return
     else:
+        run.guard.note(loss, step)
+    clip = cfg.optim.clip_grad_norm
+    grad_norm = engine.clip_grad_norm_(clip) if clip else None
+    if engine.step():
+        run.lr = run.scheduler.get_last_lr()[0]  # the lr this step used
+        run.scheduler.step()
+    else:  # fp16 gradients overflowed: no update; the loss scale was lowered
+        grad_norm = None
+    run.metrics.add(
+        loss,
+        correct,
+        targets.numel(),
+        time.perf_counter() - t0,
+        samples=targets.shape[0],
+        grad_norm=grad_norm,
+    )
+
+
+def is_check_step(cfg: DictConfig, step: int) -> bool:
+    """Log steps, checkpoint steps and the last step: where the ranks compare notes."""
+    every = cfg.ckpt.every
+    return (
+        step % cfg.train.log_every == 0
+        or step == cfg.train.steps
+        or bool(every and step % every == 0)
+    )
+
+
+def check_step(run: Run, step: int) -> bool:
+    """Raise if a loss was not finite since the last check (on every rank alike); return
+    whether the run is to stop after this step."""
+    first_bad, stop = run.guard.check(preempt.requested())
+    if first_bad is not None:
         raise TrainingError(
-            f"loss is not finite at step {step}; lower optim.lr, or set "
+            f"loss is not finite at step {first_bad}; lower optim.lr, or set "
             "train.on_nonfinite=skip to skip such steps"
         )
     return stop
@@ -265,18 +287,6 @@ def forward_backward(
         loss_sum = loss_sum + loss.detach()
         correct = correct + accuracy(logits, y) * y.numel()
     return loss_sum, correct
-
-
-def agree_on_step(loss: torch.Tensor, stop: bool = False) -> tuple[bool, bool]:
-    """(whether the loss is finite on every rank, whether any rank asks to stop). Every
-    rank must agree to step or not, and to stop after the same step, else their
-    collectives stop matching: one reduction decides both ([Note: stopping on SIGTERM]
-    in trainer/preempt.py)."""
-    bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)
-    flags = torch.cat([bad, torch.full((1,), float(stop), device=bad.device)])
-    comm.all_reduce(flags, tag="nonfinite", account=False).wait()
-    bad_any, stop_any = flags.tolist()
-    return bad_any == 0, stop_any > 0
 
 
 def save_final_model(engine, path: Path, is_rank0: bool) -> None:

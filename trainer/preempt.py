@@ -2,12 +2,14 @@
 
 [Note: stopping on SIGTERM]
 The handler only sets a flag. Ranks must stop after the same step, or their collectives
-stop matching, so the flag rides on the one reduction every step already makes (the
-non-finite-loss check in loop.py): no extra collective and no extra host sync. A
-signal that reaches one rank only (a rank-only `kill`) stops every rank at the step
-where that rank's flag is reduced. The run then finishes that step, writes a
-checkpoint, and rank 0 prints one line; the process exits with EXIT_CODE, so a job
-script can tell "stopped with a checkpoint, requeue me" from a failure.
+stop matching, so the flag rides on the reduction of the check steps (every log step,
+checkpoint step and the last one; guard.py's [Note: checking the loss without a host
+sync]): no extra collective and no host sync in the steps between. A signal that
+reaches one rank only (a rank-only `kill`) stops every rank at the next check step. With
+SLURM's `--signal=TERM@120`, `train.log_every` steps must take well under 120 s. The
+run then finishes that step, writes a checkpoint, and rank 0 prints one line; the
+process exits with EXIT_CODE, so a job script can tell "stopped with a checkpoint,
+requeue me" from a failure.
 """
 
 from __future__ import annotations
