@@ -330,7 +330,7 @@ class MemoryMonitor:
             return {}
         out = report(rows, self.expected(), self.device.type)
         traffic = self.expected_traffic()
-        if traffic is not None:
+        if traffic:  # None for an unknown mode; 0 on one rank, where nothing is sent
             out["comm/expected_bytes_per_step"] = traffic
         return out
 
