@@ -320,7 +320,12 @@ def main() -> None:
     png = args.chart or out / "memory_chart.png"
     if chart(all_results, png):
         print(f"chart: {png}")
-    print(f"full table: {out / 'compare_modes.md'}\ntensorboard --logdir {out}  # CUSTOM SCALARS")
+    print(f"full table: {out / 'compare_modes.md'}\ntensorboard --logdir {out}")
+    # Two or three points per line: TensorBoard's default smoothing and outlier clipping
+    # would move them and cut off the lowest line.
+    print(
+        "then open http://localhost:6006/#custom_scalars&_smoothingWeight=0&_ignoreYOutliers=false"
+    )
 
 
 if __name__ == "__main__":
