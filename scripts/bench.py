@@ -36,8 +36,8 @@ grads and AdamW's two moments: what one process training alone holds; Ψ = param
          before the model was built. Heap use is glibc's `mallinfo2()` (in-use heap
          chunks + blocks malloc mapped on its own: every thread and arena, so buffers of
          the backend's own threads count too), sampled after every tensor op of the step
-         (a TorchDispatchMode: forward, backward, hooks, optimizer). It includes what the
-         step holds for a moment: gathered units, bucket buffers, receive buffers,
+         (trainer/heap.py's TorchDispatchMode: forward, backward, hooks, optimizer). It
+         includes what the step holds for a moment: gathered units, bucket buffers, receive buffers,
          autograd's per-parameter gradients, optimizer temporaries, activations.
          (torch.profiler's memory events were tried first: they miss frees made on
          other threads, so FSDP2's figure crept up step after step.)
@@ -53,7 +53,6 @@ reshards after forward (not the root), one ReduceScatter per unit).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -68,12 +67,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer import comm  # noqa: E402
+from trainer import comm, heap  # noqa: E402
 from trainer import dist as tdist  # noqa: E402
 from trainer.memory import measure  # noqa: E402
 from trainer.models import MLP  # noqa: E402
@@ -248,39 +246,11 @@ def timed_steps(b: Built, warmup: int, steps: int) -> tuple[list[float], float]:
     return every.view(p, steps).amax(0).tolist(), sent
 
 
-class _Heap(ctypes.Structure):  # glibc's struct mallinfo2
-    _fields_ = [
-        (n, ctypes.c_size_t)
-        for n in (
-            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-        ).split()
-    ]
-
-
-_mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)  # glibc >= 2.33
-if _mallinfo2 is not None:
-    _mallinfo2.restype = _Heap
-
-
 def heap_bytes() -> int:
-    """Bytes in use in the C heap of this process, every thread and arena included."""
-    if _mallinfo2 is None:
+    """Bytes in use in the C heap of this process ([Note: the CPU step peak])."""
+    if not heap.available():
         raise SystemExit("peak memory needs glibc's mallinfo2(); run with --no-memory")
-    m = _mallinfo2()
-    return m.uordblks + m.hblkhd  # in-use heap chunks + blocks malloc mapped on its own
-
-
-class HeapPeak(TorchDispatchMode):
-    """Samples `heap_bytes()` after every tensor op (backward and optimizer included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.peak = heap_bytes()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, heap_bytes())
-        return out
+    return heap.heap_bytes()
 
 
 def memory_of(name: str, width: int, depth: int, x, y, warmup: int = 2) -> dict[str, float]:
@@ -293,7 +263,8 @@ def memory_of(name: str, width: int, depth: int, x, y, warmup: int = 2) -> dict[
     b.optimizer.register_step_post_hook(lambda *_: snap.__setitem__("state", state()))
     for _ in range(warmup):
         b.step()
-    with HeapPeak() as mode:
+    heap_bytes()  # fails with a hint where mallinfo2() is missing
+    with heap.HeapPeak() as mode:
         b.step()
     del b
     gc.collect()

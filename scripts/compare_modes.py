@@ -5,29 +5,42 @@
     tensorboard --logdir runs/compare                    # CUSTOM SCALARS tab
 
 Each mode runs as `torchrun --standalone --nproc-per-node=P train.py mode=M ...` into
-`<out>/p<P>/<mode>`, one after the other, with the same overrides. Afterwards this
-script reads each run's `final_metrics.json` (rank 0 writes the last logged figures
-there) and leaves:
+`<out>/p<P>/<mode>`, one after the other, with the same overrides, its progress shown
+as it runs. Their checkpoints go to a temporary directory, removed after each run
+(`--keep-checkpoints`: under each run directory, as a plain run). Afterwards this script
+reads each run's `final_metrics.json` (rank 0 writes the last logged figures there),
+prints the headline table and leaves:
 
-  <out>/compare_modes.md     measured vs expected memory and traffic per mode (printed too)
-  <out>/memory_chart.png     model-state bytes per rank per mode, measured and expected
-                             (needs matplotlib; `--chart PATH` to put it elsewhere)
-  <out>/events.out.tfevents  a custom scalars layout: one chart per memory and traffic
-                             metric with every run (mode, P) overlaid
+  <out>/compare_modes.md     the headline (model state per rank, saved vs ddp), then the
+                             full table of measured vs expected memory and traffic
+  <out>/memory_chart.png     model-state MiB per rank per mode (scripts/memory_chart.py;
+                             needs matplotlib; `--chart PATH` to put it elsewhere)
+  <out>/by_world_size/<mode> one TensorBoard run per mode whose x-axis (step) is the world
+                             size: model state per rank in MiB, fraction of ddp, saved
+                             vs ddp, formula, peak, traffic; with the Custom Scalars layout
+                             that leads with them and the headline as a text summary
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # trainer/, and memory_chart beside this file
+
+from memory_chart import chart  # noqa: E402  (scripts/, beside this file)
+
+from trainer.tb_layout import run_layout  # noqa: E402
+
+MiB = 2**20
 MODES = ("ddp", "zero", "fsdp")
-KINDS = ("params", "master", "grads", "optimizer", "comm", "model_state")
 # A model where parameters, not activations or the runtime, dominate model state, and
 # few steps: each run takes seconds on CPU.
 DEFAULTS = [
@@ -41,7 +54,10 @@ DEFAULTS = [
 ]
 
 
-def run_mode(mode: str, nproc: int, run_dir: Path, overrides: list[str]) -> dict:
+def run_mode(
+    mode: str, nproc: int, run_dir: Path, overrides: list[str], ckpt_dir: Path | None
+) -> dict:
+    """One training run, its output (progress bar, final line) going to the terminal."""
     cmd = [
         sys.executable,
         "-m",
@@ -52,14 +68,67 @@ def run_mode(mode: str, nproc: int, run_dir: Path, overrides: list[str]) -> dict
         f"mode={mode}",
         f"hydra.run.dir={run_dir}",
         *DEFAULTS,
+        *([f"ckpt.dir={ckpt_dir}"] if ckpt_dir is not None else []),
         *overrides,
     ]
+    print(f"\n== {mode} on {nproc} ranks -> {run_dir}", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT)
     if proc.returncode != 0:
-        sys.exit(f"error: mode={mode} on {nproc} ranks failed:\n{proc.stderr[-3000:]}")
-    print(f"  {mode:5s} p={nproc}: {time.perf_counter() - t0:5.1f} s -> {run_dir}", flush=True)
+        sys.exit(f"error: mode={mode} on {nproc} ranks failed (exit {proc.returncode}); see above")
+    print(f"== {mode} on {nproc} ranks: {time.perf_counter() - t0:.1f} s", flush=True)
     return json.loads((run_dir / "final_metrics.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------
+# The headline
+
+
+def sig3(x: float) -> str:
+    """`x` to 3 significant digits, without an exponent: 48.7, 0.438, 1230 (whole numbers
+    keep their digits)."""
+    if x == 0:
+        return "0"
+    return f"{x:.{max(0, 2 - math.floor(math.log10(abs(x))))}f}"
+
+
+def state_mib(f: dict) -> float:
+    return f["memory/model_state_MiB/max"]
+
+
+def headline(all_results: dict[int, dict[str, dict]]) -> str:
+    """Mode x world size: model state MiB per rank, and what it saves against ddp."""
+    worlds = sorted(all_results)
+    modes = list(next(iter(all_results.values())))
+    head = ["mode"] + [c for p in worlds for c in (f"P={p}: MiB per rank", "saved vs ddp")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mode in modes:
+        cells = [f"`{mode}`"]
+        for p in worlds:
+            f, base = all_results[p][mode], all_results[p].get("ddp")
+            mine = state_mib(f)
+            if base is None:
+                saved = "n/a"
+            elif mode == "ddp":
+                saved = "(baseline)"
+            else:
+                d = state_mib(base) - mine
+                saved = f"{sig3(d)} MiB ({sig3(100 * d / state_mib(base))} %)"
+            cells += [sig3(mine), saved]
+        lines.append("| " + " | ".join(cells) + " |")
+    gaps = [
+        round((f["memory/model_state_MiB/max"] - f["memory/expected/model_state_MiB"]) * MiB)
+        for r in all_results.values()
+        for f in r.values()
+    ]
+    lines += [
+        "",
+        "Model state = parameters + gradients + optimizer state (+ fp32 masters), held by "
+        "the rank with the most right after the optimizer step. Measured; every figure is "
+        f"within {max(gaps)} bytes of its formula (AdamW's step counters, ddp's used-flags, "
+        "padding).",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------
@@ -67,13 +136,21 @@ def run_mode(mode: str, nproc: int, run_dir: Path, overrides: list[str]) -> dict
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f}"
+    return f"{n:.2f}"
 
 
 def _pair(final: dict, kind: str) -> str:
-    measured = final[f"memory/{kind}_bytes/max"]
-    want = final.get(f"memory/expected/{kind}_bytes")
-    return _mib(measured) if want is None else f"{_mib(measured)} / {_mib(want)}"
+    measured = final.get(f"memory/{kind}_MiB/max", 0.0)  # absent: zero on every rank
+    want = final.get(f"memory/expected/{kind}_MiB", 0.0)
+    return f"{_mib(measured)} / {_mib(want)}"
+
+
+def _peak(final: dict) -> tuple[str, str]:
+    """(the peak in MiB, what it is), whichever this run measured."""
+    for name, what in (("peak_step", "CPU step"), ("peak_cuda_allocated", "CUDA")):
+        if f"memory/{name}_MiB/max" in final:
+            return _mib(final[f"memory/{name}_MiB/max"]), what
+    return "-", ""
 
 
 def table(results: dict[str, dict], nproc: int) -> str:
@@ -83,8 +160,9 @@ def table(results: dict[str, dict], nproc: int) -> str:
         f"### {nproc} ranks",
         "",
         "Memory in MiB per rank, `measured / expected` (max over ranks; measured right "
-        "after the optimizer step); gap = measured model state over formula. Peak: RSS "
-        "high-water mark on CPU (whole process), CUDA max allocated on GPU. Traffic in MiB "
+        "after the optimizer step); gap = measured model state minus formula, in bytes. "
+        "Peak: on CPU the tensors live at one step's high point (model state at its start "
+        "+ heap growth during it), on GPU the CUDA allocator's max allocated. Traffic in MiB "
         "sent per rank per step, counted by the comm module vs the ring formula.",
         "",
         "| mode | params | fp32 masters | grads | optimizer | comm buffers | model state | "
@@ -95,26 +173,26 @@ def table(results: dict[str, dict], nproc: int) -> str:
     for mode, f in results.items():
         ratio = "n/a"
         if base is not None:
-            measured = f["memory/model_state_bytes/max"] / base["memory/model_state_bytes/max"]
-            formula = (
-                f["memory/expected/model_state_bytes"] / base["memory/expected/model_state_bytes"]
-            )
-            ratio = f"{measured:.3f} / {formula:.3f}"
-        units = f["memory/expected/working_set_bytes"] - f["memory/expected/model_state_bytes"]
-        sent = f.get("comm/bytes_per_step/total", 0.0)
+            measured = state_mib(f) / state_mib(base)
+            formula = f["memory/expected/model_state_MiB"] / base["memory/expected/model_state_MiB"]
+            ratio = f"{measured:.4f} / {formula:.4f}"
+        expected_state = f["memory/expected/model_state_MiB"]
+        units = f.get("memory/expected/working_set_MiB", expected_state) - expected_state
+        gap = round((state_mib(f) - expected_state) * MiB)
+        sent = f.get("comm/bytes_per_step/total", 0.0) / MiB
         lines.append(
             "| "
             + " | ".join(
                 [
                     f"`{mode}`",
                     *(_pair(f, k) for k in ("params", "master", "grads", "optimizer")),
-                    _mib(f["memory/comm_bytes/max"]),
+                    _mib(f.get("memory/comm_MiB/max", 0.0)),
                     _pair(f, "model_state"),
-                    f"{f['memory/model_state_gap_pct']:+.3f}%",
+                    f"{gap:+d} B",
                     ratio,
                     _mib(units) if units else "-",
-                    _mib(f["memory/peak_bytes/max"]),
-                    f"{_mib(sent)} / {_mib(f['comm/expected_bytes_per_step'])}",
+                    " ".join(_peak(f)),
+                    f"{_mib(sent)} / {_mib(f.get('comm/expected_bytes_per_step', 0.0) / MiB)}",
                     f"{f.get('comm/algbw_GBps', 0):.3f}",
                     f"{f.get('comm/busbw_GBps', 0):.3f}",
                 ]
@@ -127,7 +205,7 @@ def table(results: dict[str, dict], nproc: int) -> str:
 def order_check(results: dict[str, dict]) -> str:
     """States whether per-rank model state is ordered fsdp < zero < ddp."""
     present = [m for m in ("fsdp", "zero", "ddp") if m in results]
-    sizes = [results[m]["memory/model_state_bytes/max"] for m in present]
+    sizes = [state_mib(results[m]) for m in present]
     ok = all(a < b for a, b in zip(sizes, sizes[1:], strict=False))
     order = " < ".join(present)
     return f"model state per rank {order}: {'yes' if ok else 'NO'}"
@@ -137,89 +215,69 @@ def order_check(results: dict[str, dict]) -> str:
 # TensorBoard layout and the chart
 
 
-def write_layout(out: Path) -> None:
-    """Custom scalars: one Multiline chart per metric; every run under `out` that logs
-    the tag appears on it, so all modes and world sizes share one chart."""
+# What each mode's summary run logs at step = world size: (tag, chart title), the first
+# two side by side at the top of the layout.
+COMPARE_CHARTS = (
+    ("compare/model_state_MiB", "model state per rank, MiB (measured) - x: world size"),
+    ("compare/fraction_of_ddp", "model state as a fraction of ddp's (measured) - x: world size"),
+    ("compare/formula_model_state_MiB", "model state per rank, MiB (formula) - x: world size"),
+    ("compare/saved_vs_ddp_MiB", "saved per rank vs ddp, MiB (measured) - x: world size"),
+    ("compare/peak_step_MiB", "peak per rank, MiB (CPU: one step's high point) - x: world size"),
+    ("compare/peak_cuda_allocated_MiB", "peak per rank, MiB (CUDA max allocated) - x: world size"),
+    ("compare/sent_per_step_MiB", "sent per rank per step, MiB (measured) - x: world size"),
+)
+COMPARE_CATEGORY = "modes side by side (x: world size; one line per mode)"
+
+
+def summary_scalars(f: dict, base: dict | None) -> dict[str, float]:
+    """One run's figures for its mode's summary run, in MiB."""
+    out = {
+        "compare/model_state_MiB": state_mib(f),
+        "compare/formula_model_state_MiB": f["memory/expected/model_state_MiB"],
+        "compare/sent_per_step_MiB": f.get("comm/bytes_per_step/total", 0.0) / MiB,
+    }
+    if base is not None:
+        out["compare/fraction_of_ddp"] = state_mib(f) / state_mib(base)
+        out["compare/saved_vs_ddp_MiB"] = state_mib(base) - state_mib(f)
+    for name in ("peak_step", "peak_cuda_allocated"):
+        if f"memory/{name}_MiB/max" in f:
+            out[f"compare/{name}_MiB"] = f[f"memory/{name}_MiB/max"]
+    return out
+
+
+def write_summary(out: Path, all_results: dict[int, dict[str, dict]], text: str) -> list[Path]:
+    """One TensorBoard run per mode, `<out>/by_world_size/<mode>`, with step = world size.
+
+    One run per mode, not one run with a tag per mode: TensorBoard colours lines by run,
+    so each mode gets its own colour, the same in every chart, and its name in the legend.
+    Each writes the same layout: the comparison first, then the charts of every run it
+    summarises ([Note: one layout, merged over runs] in trainer/tb_layout.py); its name
+    sorts before `p<P>/`, so TensorBoard takes its layout first. The first mode's run
+    also holds the headline as a text summary."""
     from torch.utils.tensorboard import SummaryWriter
 
-    memory = {
-        f"{k} bytes per rank (max over ranks) vs expected": [
-            "Multiline",
-            [rf"^memory/{k}_bytes/max$", rf"^memory/expected/{k}_bytes$"],
-        ]
-        for k in KINDS
+    per_run_tags = {t for r in all_results.values() for f in r.values() for t in f}
+    rows = {
+        mode: {p: summary_scalars(r[mode], r.get("ddp")) for p, r in all_results.items()}
+        for mode in next(iter(all_results.values()))
     }
-    memory["peak bytes per rank (max over ranks)"] = ["Multiline", [r"^memory/peak_bytes/max$"]]
-    memory["model state: each rank"] = ["Multiline", [r"^memory/model_state_bytes/rank\d+$"]]
-    memory["model state gap to formula, %"] = ["Multiline", [r"^memory/model_state_gap_pct$"]]
-    traffic = {
-        "bytes sent per rank per step vs ring expectation": [
-            "Multiline",
-            [r"^comm/bytes_per_step/total$", r"^comm/expected_bytes_per_step$"],
-        ],
-        "bytes per step by collective": ["Multiline", [r"^comm/bytes_per_step/(?!total)"]],
-        "algbw and busbw, GB/s": ["Multiline", [r"^comm/algbw_GBps$", r"^comm/busbw_GBps$"]],
-        "communication time per step, s": ["Multiline", [r"^comm/time_per_step_s$"]],
+    summary_tags = {t for by_p in rows.values() for v in by_p.values() for t in v}
+    compare = {
+        title: ["Multiline", [f"^{tag}$"]] for tag, title in COMPARE_CHARTS if tag in summary_tags
     }
-    with SummaryWriter(log_dir=str(out)) as w:
-        w.add_custom_scalars({"memory": memory, "traffic": traffic})
-
-
-def chart(all_results: dict[int, dict[str, dict]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart (pip install matplotlib)")
-        return False
-    worlds = sorted(all_results)
-    fig, axes = plt.subplots(1, len(worlds), figsize=(4 * len(worlds) + 1, 4.6), squeeze=False)
-    colors = {
-        "params": "#4C72B0",
-        "master": "#64B5CD",
-        "grads": "#DD8452",
-        "optimizer": "#55A868",
-        "comm": "#8172B3",
-    }
-    for ax, p in zip(axes[0], worlds, strict=True):
-        results = all_results[p]
-        modes = list(results)
-        top = 0.0
-        for i, mode in enumerate(modes):
-            f = results[mode]
-            bottom = 0.0
-            for kind, color in colors.items():
-                v = f[f"memory/{kind}_bytes/max"] / 2**20
-                ax.bar(i, v, 0.6, bottom=bottom, color=color, label=kind)
-                bottom += v
-            want = f["memory/expected/model_state_bytes"] / 2**20
-            units = f["memory/expected/working_set_bytes"] / 2**20
-            ax.hlines(want, i - 0.38, i + 0.38, colors="black", linewidths=2,
-                      label="expected model state")  # fmt: skip
-            if units > want:
-                ax.hlines(units, i - 0.38, i + 0.38, colors="black", linestyles="dashed",
-                          label="+ fsdp units in flight (expected)")  # fmt: skip
-            top = max(top, bottom, units)
-        ax.set_xticks(range(len(modes)), modes)
-        ax.set_ylim(0, top * 1.08)
-        ax.set_title(f"{p} ranks")
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("MiB per rank (max over ranks)")
-    handles, labels = [], []
-    for ax in axes[0]:  # one legend entry per label, across the panels
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle("Model-state memory per rank: measured (bars), formula (lines)")
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    layout = {COMPARE_CATEGORY: compare, **run_layout(per_run_tags)}
+    dirs = []
+    for i, (mode, by_p) in enumerate(rows.items()):
+        run = out / "by_world_size" / mode
+        with SummaryWriter(log_dir=str(run)) as w:
+            w.add_custom_scalars(layout)
+            if i == 0:
+                w.add_text("compare/headline", text)
+            for p, values in sorted(by_p.items()):
+                for tag, v in values.items():
+                    w.add_scalar(tag, v, p)
+        dirs.append(run)
+    return dirs
 
 
 def main() -> None:
@@ -228,6 +286,11 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="modes, comma-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "compare")
     ap.add_argument("--chart", type=Path, help="PNG path (default <out>/memory_chart.png)")
+    ap.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each run's checkpoints (default: written to a temporary directory, removed)",
+    )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = ap.parse_args()
     worlds = [int(p) for p in args.nproc.split(",")]
@@ -238,19 +301,31 @@ def main() -> None:
     all_results: dict[int, dict[str, dict]] = {}
     sections = []
     for p in worlds:
-        print(f"{p} ranks:", flush=True)
-        all_results[p] = {m: run_mode(m, p, out / f"p{p}" / m, args.overrides) for m in modes}
+        all_results[p] = {}
+        for m in modes:
+            # Nobody resumes these runs: their checkpoints (train.py writes one at the
+            # last step) go to a directory removed as soon as the run ends.
+            with tempfile.TemporaryDirectory(prefix="compare_ckpt_") as tmp:
+                ckpt = None if args.keep_checkpoints else Path(tmp)
+                all_results[p][m] = run_mode(m, p, out / f"p{p}" / m, args.overrides, ckpt)
         sections.append(table(all_results[p], p) + "\n" + order_check(all_results[p]) + "\n")
     config = " ".join(DEFAULTS + args.overrides)
-    text = f"## Memory and traffic per mode\n\nOverrides: `{config}`\n\n" + "\n".join(sections)
-    print("\n" + text)
+    head = f"## Model state per rank\n\nOverrides: `{config}`\n\n" + headline(all_results)
+    order = "\n".join(f"{p} ranks: {order_check(r)}" for p, r in all_results.items())
+    print("\n" + head + "\n" + order + "\n")
+    full = "## Memory and traffic per mode, in full\n\n" + "\n".join(sections)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare_modes.md").write_text(text)
-    write_layout(out)
+    (out / "compare_modes.md").write_text(head + "\n" + full)
+    write_summary(out, all_results, head)
     png = args.chart or out / "memory_chart.png"
     if chart(all_results, png):
         print(f"chart: {png}")
-    print(f"table: {out / 'compare_modes.md'}\ntensorboard --logdir {out}")
+    print(f"full table: {out / 'compare_modes.md'}\ntensorboard --logdir {out}")
+    # Two or three points per line: TensorBoard's default smoothing and outlier clipping
+    # would move them and cut off the lowest line.
+    print(
+        "then open http://localhost:6006/#custom_scalars&_smoothingWeight=0&_ignoreYOutliers=false"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tb_events import layout
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,14 +39,10 @@ def train_and_check(tmp_path: Path, args: list[str], nproc: int | None = 2):
     run_dir = runs[0]
     final = json.loads((run_dir / "final_metrics.json").read_text())
     values = scalars(run_dir)
-    for tag in (
-        "train/loss",
-        "train/accuracy",
-        "perf/samples_per_s",
-        "perf/step_time_s",
-        "comm/overlap_pct",
-    ):
+    for tag in ("train/loss", "train/accuracy", "perf/samples_per_s", "perf/step_time_s"):
         assert tag in values, sorted(values)
+    # one rank sends nothing: no communication figures, which would all be zero
+    assert ("comm/overlap_pct" in values) == (final["world_size"] > 1), sorted(values)
     assert values["train/loss"][-1] < 0.7 * values["train/loss"][0], values["train/loss"]
     return run_dir, final, values
 
@@ -58,6 +55,29 @@ def test_torchrun_ddp_two_ranks_one_run_dir(tmp_path):
     assert run_dir.name.endswith("_ddp_p2")
     assert "comm/bytes_per_step/all_reduce" in values
     assert len(list(run_dir.glob("events.out.tfevents*"))) == 1  # rank 0 alone writes
+    # A plain run writes its Custom Scalars layout: loss and accuracy first, then memory
+    # in MiB with measured and formula apart, then communication; no always-zero kinds.
+    categories = layout(run_dir)
+    assert [c for c, _ in categories] == ["training", "memory per rank, MiB", "communication"]
+    assert categories[0][1][:2] == [
+        ("loss (train, eval)", [r"^train/loss$", r"^eval/loss$"]),
+        ("accuracy (train, eval)", [r"^train/accuracy$", r"^eval/accuracy$"]),
+    ]
+    memory = dict(categories[1][1])
+    assert list(memory)[:3] == [
+        "model state per rank, MiB (measured, max over ranks)",
+        "model state per rank, MiB (formula)",
+        "peak: tensors live at one step's high point (CPU), MiB per rank (max over ranks)",
+    ]
+    assert "fp32 master weights per rank, MiB (max over ranks)" not in memory  # fp32
+    # ddp, fp32 AdamW: 16 bytes per parameter by the formula; measured, plus 4 bytes per
+    # parameter tensor twice (AdamW's step counter, ddp's used-flag), in MiB
+    psi = 32 * 256 + 256 + 3 * (256 * 256 + 256) + 256 * 10 + 10  # the default MLP
+    assert values["memory/expected/model_state_MiB"][-1] * 2**20 == 16 * psi
+    assert values["memory/model_state_MiB/max"][-1] * 2**20 == 16 * psi + 10 * 2 * 4
+    assert "memory/master_MiB/max" not in values and "memory/comm_MiB/max" not in values
+    memory_tags = [t for t in values if "memory" in t]  # what the Scalars filter shows
+    assert len(memory_tags) <= 12, memory_tags
     # profile=true: a Chrome trace per rank, with the collectives in it
     for rank in (0, 1):
         trace = json.loads((run_dir / "traces" / f"rank{rank}.json").read_text())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_harness import run_distributed
 
-from trainer.memory import bandwidth, expected, expected_traffic, measure
+from trainer.memory import MiB, bandwidth, expected, expected_traffic, measure, report
 
 # Tiny MLP(in_dim=3, hidden=5, depth=2, num_classes=3), Ψ = 68:
 #   layers.0  Linear(3, 5)  15 + 5 = 20
@@ -155,13 +155,16 @@ def test_accounting_equals_hand_computed_bytes(accounted, mode):
     world, results = accounted
     figures = results[0][mode]["tiny"]
     for kind, want in HAND[mode, world].items():
+        if want == 0:  # comm buffers, freed before the step ends: no tag at all
+            assert f"memory/{kind}_MiB/max" not in figures, kind
+            continue
         for r in range(world):
-            assert figures[f"memory/{kind}_bytes/rank{r}"] == _on(want, r), (kind, r)
-        assert figures[f"memory/{kind}_bytes/max"] == _max(want)
+            assert figures[f"per_rank/{kind}_MiB/rank{r}"] * MiB == _on(want, r), (kind, r)
+        assert figures[f"memory/{kind}_MiB/max"] * MiB == _max(want)
     for r in range(world):
         state = sum(_on(HAND[mode, world][k], r) for k in ("params", "grads", "optimizer"))
-        assert figures[f"memory/model_state_bytes/rank{r}"] == state
-    assert figures["memory/peak_bytes/max"] > state  # the whole process, on CPU
+        assert figures[f"per_rank/model_state_MiB/rank{r}"] * MiB == state
+    assert "memory/master_MiB/max" not in figures  # fp32: no masters, no tag
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
@@ -169,11 +172,15 @@ def test_bf16_accounting_follows_the_dtypes(accounted, mode):
     world, results = accounted
     figures = results[0][mode]["bf16"]
     for kind, want in HAND_BF16[mode, world].items():
-        assert figures[f"memory/{kind}_bytes/max"] == _max(want), kind
+        if want == 0:  # fsdp's shards are its masters: no separate master tag
+            assert f"memory/{kind}_MiB/max" not in figures, kind
+            continue
+        assert figures[f"memory/{kind}_MiB/max"] * MiB == _max(want), kind
         # the formula leaves out padding (under P elements in each of up to 3 flat
         # buffers), the 6 used-flags and the step counters (6 or 7 here)
         slack = 4 * 3 * (world - 1) + 4 * 7
-        assert figures[f"memory/expected/{kind}_bytes"] == pytest.approx(_max(want), abs=slack)
+        got = figures[f"memory/expected/{kind}_MiB"] * MiB
+        assert got == pytest.approx(_max(want), abs=slack), kind
     psi, p = 68, world
     gathered = {"ddp": 0, "zero": 1, "fsdp": 2}[mode] * (p - 1) / p * psi * 2  # bf16
     reduced = {"ddp": 2, "zero": 1, "fsdp": 1}[mode] * (p - 1) / p * psi * 4  # fp32
@@ -186,9 +193,14 @@ def test_measured_model_state_within_10pct_of_formula(accounted, mode):
     figures = results[0][mode]["medium"]
     psi = 32 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 10 + 10
     formula = {"ddp": 16 * psi, "zero": 4 * psi + 12 * psi / world, "fsdp": 16 * psi / world}
-    assert figures["memory/expected/model_state_bytes"] == pytest.approx(formula[mode])
-    measured = figures["memory/model_state_bytes/max"]
+    assert figures["memory/expected/model_state_MiB"] * MiB == pytest.approx(formula[mode])
+    measured = figures["memory/model_state_MiB/max"] * MiB
     assert abs(measured / formula[mode] - 1) < 0.10, (measured, formula[mode])
+    # The CPU peak is one step's high point: at least the model state (all of it lives at
+    # the step's end), and far below the ~1 GB resident set of a torch process.
+    peak = figures["memory/peak_step_MiB/max"] * MiB
+    assert measured <= peak < measured + 32 * MiB, (peak, measured)
+    assert "memory/peak_cuda_allocated_MiB/max" not in figures
     traffic = {"ddp": 2, "zero": 2, "fsdp": 3}[mode] * (world - 1) / world * psi * 4
     assert figures["comm/expected_bytes_per_step"] == pytest.approx(traffic)
 
@@ -197,11 +209,11 @@ def test_interval_metrics_log_memory_and_traffic(accounted):
     world, results = accounted
     logged = results[0]["logged"]
     for tag in (
-        "memory/params_bytes/rank0",
-        f"memory/model_state_bytes/rank{world - 1}",
-        "memory/model_state_bytes/max",
-        "memory/peak_bytes/max",
-        "memory/expected/optimizer_bytes",
+        "per_rank/params_MiB/rank0",
+        f"per_rank/model_state_MiB/rank{world - 1}",
+        "memory/model_state_MiB/max",
+        "memory/peak_step_MiB/max",
+        "memory/expected/optimizer_MiB",
         "comm/expected_bytes_per_step",
         "comm/bytes_per_step/total",
         "comm/algbw_GBps",
@@ -223,7 +235,7 @@ def test_one_gather_brings_every_rank_to_rank0(accounted):
         if mode == "logged":
             continue
         assert res["gathers"] == {"gather": 1}, mode  # one collective, nothing else
-        assert {f"memory/params_bytes/rank{r}" for r in range(world)} <= res["tiny"].keys()
+        assert {f"per_rank/params_MiB/rank{r}" for r in range(world)} <= res["tiny"].keys()
     for r in range(1, world):
         assert all(res["tiny"] == {} for m, res in results[r].items() if m != "logged")
 
@@ -265,6 +277,37 @@ def test_measure_counts_each_storage_once_in_its_first_kind():
     got = measure(engine)
     assert {k: got[k] for k in ("params", "grads", "optimizer", "comm")} == _bytes(40, 24, 2, 0)
     assert got["model_state"] == 66 and got["peak"] > 0
+
+
+def test_report_keeps_the_memory_filter_short():
+    # fp32 zero at P=4, 1 MiB of parameters: masters and comm buffers are zero everywhere.
+    row = {"params": 4, "master": 0, "grads": 1, "optimizer": 2, "comm": 0}
+    rows = [{**row, "model_state": 7, "peak": 9 + r} for r in range(4)]
+    rows = [{k: v * MiB for k, v in r.items()} for r in rows]
+    exp = expected("zero", MiB, 4, 4, 4, 8)
+    out = report(rows, exp, "cpu")
+    memory = sorted(k for k in out if k.startswith("memory"))
+    assert memory == [
+        "memory/expected/grads_MiB",
+        "memory/expected/model_state_MiB",
+        "memory/expected/optimizer_MiB",
+        "memory/expected/params_MiB",
+        "memory/grads_MiB/max",
+        "memory/model_state_MiB/max",
+        "memory/optimizer_MiB/max",
+        "memory/params_MiB/max",
+        "memory/peak_step_MiB/max",
+    ]
+    assert out["memory/peak_step_MiB/max"] == 12.0 and out["per_rank/peak_step_MiB/rank1"] == 10
+    assert out["memory/expected/model_state_MiB"] == 7.0 == out["memory/model_state_MiB/max"]
+    assert len([k for k in out if k.startswith("per_rank/")]) == 5 * 4  # 5 kinds x 4 ranks
+    # GPU: the allocator's peak, named as such; a peak some rank did not measure: no tag
+    assert "memory/peak_cuda_allocated_MiB/max" in report(rows, exp, "cuda")
+    unmeasured = [{**r, "peak": -1} for r in rows]
+    assert not [k for k in report(unmeasured, exp, "cpu") if "peak" in k]
+    # fsdp's transient units: the working set only where it exceeds the model state
+    fsdp = expected("fsdp", MiB, 4, 4, 4, 8, unit_bytes=3 * MiB)
+    assert report(rows, fsdp, "cpu")["memory/expected/working_set_MiB"] == 4.0 + 3.0
 
 
 def test_expected_formulas_adjust_for_dtype_and_optimizer():

@@ -62,3 +62,27 @@ def test_reduce_values_on_rank0(fake_reduce, monkeypatch):
     assert out["train/grad_norm"] == 3.0
     assert out["perf/step_time_s"] == 1.0
     assert out["perf/samples_per_s"] == 16 / 2.0
+
+
+def test_writer_lays_out_only_the_charts_a_run_logs(tmp_path):
+    from tb_events import layout
+
+    from trainer.metrics import Rank0Writer
+
+    w = Rank0Writer(tmp_path, enabled=True)
+    w.scalars({"train/loss": 1.0, "train/accuracy": 0.5, "memory/params_MiB/max": 2.0}, 10)
+    w.scalars({"eval/loss": 1.0, "comm/busbw_GBps": 3.0}, 20)  # the layout is already out
+    w.close()
+    assert layout(tmp_path) == [  # one rank: no communication category
+        (
+            "training",
+            [
+                ("loss (train, eval)", [r"^train/loss$", r"^eval/loss$"]),
+                ("accuracy (train, eval)", [r"^train/accuracy$", r"^eval/accuracy$"]),
+            ],
+        ),
+        (
+            "memory per rank, MiB",
+            [("parameters per rank, MiB (max over ranks)", [r"^memory/params_MiB/max$"])],
+        ),
+    ]

@@ -15,9 +15,11 @@ counts as nothing. The monitor measures from an optimizer step post-hook, the mo
 when parameters, gradients and optimizer state all exist (fsdp drops its gradient
 shards right after the step), and keeps the per-kind maximum over the logging interval.
 Transient buffers that live only inside forward/backward (fsdp's gathered units) are
-not in that snapshot; the peak is: `torch.cuda.max_memory_allocated` on GPU, the
-resident set size high-water mark (VmHWM) on CPU, which also holds the Python process,
-the torch libraries and activations.
+not in that snapshot; the peak is: `torch.cuda.max_memory_allocated` on GPU
+(`peak_cuda_allocated`), on CPU the high point of one training step per logging interval
+(`peak_step`): the storages alive at its start plus the C heap's growth during it
+([Note: the CPU step peak] in trainer/heap.py). Not the process's resident set, which
+is about 1 GB of torch libraries in every mode. (`peak_bytes()` below reads that.)
 
 [Note: the expected figures]
 Per rank, for Ψ parameters computing in b bytes (4 fp32, 2 bf16/fp16), gradients reduced
@@ -49,7 +51,7 @@ from typing import Any
 
 import torch
 
-from trainer import comm
+from trainer import comm, heap
 
 KINDS = ("params", "master", "grads", "optimizer", "comm")
 # Order of the packed tensor gathered to rank 0 (one Gather per logging interval).
@@ -239,14 +241,20 @@ class MemoryMonitor:
         self.device = params[0].device if params else torch.device("cpu")
         self._high: dict[str, int] | None = None  # per-kind maximum since the last gather
         optimizer = getattr(engine, "optimizer", None)
+        self._step_peak: heap.StepPeak | None = None
         if optimizer is not None:
             optimizer.register_step_post_hook(lambda *_: self.update())
+            if self.device.type == "cpu" and heap.available():
+                self._step_peak = heap.StepPeak(engine.module, optimizer, self._held_bytes)
 
     def update(self) -> None:
         now, _ = _held(self.engine)  # the peak is read once, at gather time
         self._high = (
             now if self._high is None else {k: max(v, self._high[k]) for k, v in now.items()}
         )
+
+    def _held_bytes(self) -> int:
+        return sum(_held(self.engine)[0][k] for k in KINDS)
 
     def expected(self) -> dict[str, float] | None:
         """This engine's formula figures; None before the first step."""
@@ -263,29 +271,64 @@ class MemoryMonitor:
         p = self.engine.world_size
         return expected_traffic(self.engine.name, self.numel, self.param_bytes, p, self.grad_bytes)
 
+    def peak(self) -> int | None:
+        """This rank's peak bytes: CUDA allocator peak on GPU; on CPU the highest sampled
+        step peak since the last call ([Note: the CPU step peak]); None if unknown."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self._step_peak.take() if self._step_peak is not None else None
+
     def gather(self) -> dict[str, float]:
-        """Collective: every rank calls it. Rank 0 gets per-rank, max and expected figures
-        (`memory/<kind>_bytes/rank<r>`, `.../max`, `memory/expected/<kind>_bytes`); the
-        other ranks get {}."""
+        """Collective: every rank calls it. Rank 0 gets the figures in MiB (see `report`),
+        the other ranks {}."""
         if self._high is None:  # no optimizer step in this interval
             self.update()
         local, self._high = self._high, None
-        local["peak"] = peak_bytes(self.device)  # the high-water mark up to now
+        peak = self.peak()
+        local["peak"] = -1 if peak is None else peak  # -1: not measured (packed as int64)
         rows = gather_to_rank0(local, self.device)
         if rows is None:
             return {}
-        out: dict[str, float] = {}
-        for f in FIELDS:
-            for r, row in enumerate(rows):
-                out[f"memory/{f}_bytes/rank{r}"] = row[f]
-            out[f"memory/{f}_bytes/max"] = max(row[f] for row in rows)
-        exp = self.expected()
-        if exp is not None:
-            for k, v in exp.items():
-                out[f"memory/expected/{k}_bytes"] = v
-            measured = out["memory/model_state_bytes/max"]
-            out["memory/model_state_gap_pct"] = 100.0 * (measured / exp["model_state"] - 1)
+        out = report(rows, self.expected(), self.device.type)
         traffic = self.expected_traffic()
-        if traffic is not None:
+        if traffic:  # None for an unknown mode; 0 on one rank, where nothing is sent
             out["comm/expected_bytes_per_step"] = traffic
         return out
+
+
+MiB = 2**20
+# What the peak figure is, by device type: it names the tag, so a chart says which.
+PEAK_NAMES = {"cuda": "peak_cuda_allocated", "cpu": "peak_step"}
+
+
+def report(
+    rows: list[dict[str, int]], exp: dict[str, float] | None, device_type: str
+) -> dict[str, float]:
+    """TensorBoard scalars in MiB from every rank's `rows` (keys FIELDS) and the formula.
+
+    The max over ranks (the rank that limits you) is `memory/<kind>_MiB/max`, beside the
+    formula `memory/expected/<kind>_MiB`; each rank's own figure is apart, under
+    `per_rank/<kind>_MiB/rank<r>`, so that the `memory` tag filter shows a dozen charts.
+    Kinds that are zero on every rank and in the formula (fp32 masters in fp32, comm
+    buffers freed before the step ends) are left out, and so is the working set where it
+    equals the model state (no transient units)."""
+    exp = exp or {}
+    out: dict[str, float] = {}
+    for f in FIELDS:
+        if f == "peak":
+            if any(row[f] < 0 for row in rows):  # not measured on some rank
+                continue
+            name = PEAK_NAMES.get(device_type, "peak")
+        else:
+            if all(row[f] == 0 for row in rows) and not exp.get(f):
+                continue
+            name = f
+        out[f"memory/{name}_MiB/max"] = max(row[f] for row in rows) / MiB
+        for r, row in enumerate(rows):
+            out[f"per_rank/{name}_MiB/rank{r}"] = row[f] / MiB
+    for k, v in exp.items():
+        if k == "working_set" and v == exp.get("model_state"):
+            continue
+        if v:
+            out[f"memory/expected/{k}_MiB"] = v / MiB
+    return out

@@ -13,6 +13,7 @@ import torch
 from trainer import comm
 from trainer.memory import MemoryMonitor, bandwidth
 from trainer.models import accuracy, loss_fn
+from trainer.tb_layout import run_layout
 
 # Order of the packed tensor reduced to rank 0 (one collective per logging interval).
 _FIELDS = (
@@ -113,6 +114,9 @@ class IntervalMetrics:
             # achieved model FLOP/s per device over its peak
             achieved = self.flops_per_token * out["perf/tokens_per_s"] / p
             out["perf/mfu_pct"] = 100.0 * achieved / self.peak_flops
+        out.update(memory)
+        if p == 1:  # nothing is sent: the communication figures would all be zero
+            return out
         busy, exposed = s["comm_busy_s"] / p, s["comm_exposed_s"] / p
         out["comm/time_per_step_s"] = busy / steps_local
         out["comm/exposed_per_step_s"] = exposed / steps_local
@@ -121,7 +125,6 @@ class IntervalMetrics:
             out[f"comm/bytes_per_step/{op}"] = nbytes / steps_local
         out["comm/bytes_per_step/total"] = sum(bytes_per_op.values()) / steps_local
         out.update(bandwidth(bytes_per_op, busy, p))  # comm/algbw_GBps, comm/busbw_GBps
-        out.update(memory)
         return out
 
 
@@ -184,12 +187,15 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 class Rank0Writer:
-    """TensorBoard and a final JSON summary, written by rank 0 only."""
+    """TensorBoard and a final JSON summary, written by rank 0 only. With the first
+    scalars comes a Custom Scalars layout (trainer/tb_layout.py): loss and accuracy
+    first, then memory, then communication, in every run."""
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir = run_dir
         self.enabled = enabled
         self._tb = None
+        self._layout_written = False
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -197,6 +203,9 @@ class Rank0Writer:
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self._tb is not None:
+            if not self._layout_written:  # the first figures tell which charts to show
+                self._tb.add_custom_scalars(run_layout(values))
+                self._layout_written = True
             for tag, v in values.items():
                 self._tb.add_scalar(tag, v, step)
 

@@ -1,0 +1,121 @@
+"""Peak memory of one step on CPU, where torch keeps no allocator statistics.
+
+[Note: the CPU step peak]
+A CPU tensor's storage comes from malloc, so the C heap in use follows the live tensors:
+glibc's `mallinfo2()` (in-use chunks of every arena plus the blocks malloc mapped on its
+own, so buffers of the backend's threads count too), sampled after every tensor op of a
+step by a TorchDispatchMode (forward, backward, hooks, collectives, optimizer). The
+step's peak above the heap at its start is what the step allocated for a moment:
+activations, gathered fsdp units, bucket and receive buffers, gradients, optimizer
+temporaries. The process's resident set is of no use here: about 1 GB of it is torch's
+own libraries, the same in every mode. `scripts/bench.py` measures its peaks this way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Mallinfo2(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        ).split()
+    ]
+
+
+try:
+    _mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)  # glibc >= 2.33
+except OSError:  # no C library to open by that name (not Linux)
+    _mallinfo2 = None
+if _mallinfo2 is not None:
+    _mallinfo2.restype = _Mallinfo2
+
+
+def available() -> bool:
+    return _mallinfo2 is not None
+
+
+def heap_bytes() -> int:
+    """Bytes in use in the C heap of this process, every thread and arena included.
+    Raises RuntimeError where glibc's mallinfo2() is missing (see `available()`)."""
+    if _mallinfo2 is None:
+        raise RuntimeError("the C heap size needs glibc's mallinfo2() (glibc >= 2.33)")
+    m = _mallinfo2()
+    return m.uordblks + m.hblkhd  # in-use heap chunks + blocks malloc mapped on its own
+
+
+class HeapPeak(TorchDispatchMode):
+    """Samples `heap_bytes()` after every tensor op run under it; `peak` is the highest,
+    `start` the heap when it was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = self.peak = heap_bytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, heap_bytes())
+        return out
+
+    @property
+    def growth(self) -> int:
+        """Bytes above the heap at the start, at the highest point so far."""
+        return max(0, self.peak - self.start)
+
+
+class StepPeak:
+    """The CPU peak of a training step: what lived at its start plus the heap's growth
+    during it ([Note: the CPU step peak]).
+
+    Sampling starts at the module's first training forward after `arm()` (a forward
+    pre-hook that runs before any other, so before fsdp gathers its root unit) and ends
+    after the optimizer step (its post-hook), so it covers forward, backward, the
+    collectives and the optimizer. `held()` gives the bytes of model state and
+    communication buffers alive at the start, counted from their storages. One step per
+    arming: the dispatch mode slows every op it sees, so the other steps run without it.
+    """
+
+    def __init__(self, module, optimizer, held: Callable[[], int]):
+        self._held = held
+        self._mode: HeapPeak | None = None
+        self._base = 0  # bytes held when the sampled step started
+        self._armed = True
+        self._peak: int | None = None  # highest figure since the last take()
+        module.register_forward_pre_hook(self._start, prepend=True)
+        optimizer.register_step_post_hook(self._stop)
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def _start(self, module, args) -> None:
+        if not (self._armed and module.training) or self._mode is not None:
+            return  # eval, steps between samples, or later micro-batches of the sampled step
+        self._armed = False
+        self._base = self._held()
+        self._mode = HeapPeak()
+        self._mode.__enter__()
+
+    def _stop(self, *_: object) -> None:
+        if self._mode is None:
+            return
+        self._mode.__exit__(None, None, None)
+        self._record()
+        self._mode = None
+
+    def _record(self) -> None:
+        now = self._base + self._mode.growth
+        self._peak = now if self._peak is None else max(self._peak, now)
+
+    def take(self) -> int | None:
+        """Highest step peak since the last call (None: no step sampled), and arm the
+        next step. A step still being sampled (its optimizer step skipped) counts so far."""
+        if self._mode is not None:
+            self._record()
+        peak, self._peak = self._peak, None
+        self.arm()
+        return peak

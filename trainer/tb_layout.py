@@ -1,0 +1,97 @@
+"""The Custom Scalars layout every run writes: training first, then memory, then traffic.
+
+[Note: one layout, merged over runs]
+TensorBoard merges the layouts of all runs in the order of their names: the first run's
+layout sets the order of categories, and a later run adds the charts that run alone has
+(identical charts are kept once). A category the first layout lacks is copied from
+the first later run that has it, and TensorBoard 2.x's merge then drops the charts that
+further runs add to it; so category titles are fixed, a chart's title and tags depend
+only on the tags it shows, and a script that writes a summary run sorted first (see
+scripts/compare_modes.py) gives it the charts of all the runs it summarises. A chart is
+written only when one of its tags is logged, a category only when it has a chart.
+
+Custom Scalars colours lines by run, not by tag, so two tags of one run in one chart
+draw in the same colour. Measured figures and their formula therefore get charts of
+their own, side by side, instead of sharing one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+Chart = tuple[str, list[str]]  # title, tag regexes (one line per run and matching tag)
+
+TRAINING, MEMORY, COMM = "training", "memory per rank, MiB", "communication"
+
+_KIND_NAMES = {
+    "params": "parameters",
+    "master": "fp32 master weights",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "comm": "communication buffers",
+}
+PEAK_TITLES = {
+    "peak_step": "peak: tensors live at one step's high point (CPU)",
+    "peak_cuda_allocated": "peak: CUDA allocator max allocated (GPU)",
+}
+
+
+def _charts() -> dict[str, list[Chart]]:
+    memory: list[Chart] = [
+        ("model state per rank, MiB (measured, max over ranks)", [r"^memory/model_state_MiB/max$"]),
+        ("model state per rank, MiB (formula)", [r"^memory/expected/model_state_MiB$"]),
+        *(
+            (f"{title}, MiB per rank (max over ranks)", [rf"^memory/{name}_MiB/max$"])
+            for name, title in PEAK_TITLES.items()
+        ),
+        (
+            "fsdp working set, MiB (formula: model state + full units while a step runs)",
+            [r"^memory/expected/working_set_MiB$"],
+        ),
+        *(
+            (f"{title} per rank, MiB (max over ranks)", [rf"^memory/{kind}_MiB/max$"])
+            for kind, title in _KIND_NAMES.items()
+        ),
+        ("model state of each rank, MiB", [r"^per_rank/model_state_MiB/rank\d+$"]),
+    ]
+    return {
+        TRAINING: [
+            ("loss (train, eval)", [r"^train/loss$", r"^eval/loss$"]),
+            ("accuracy (train, eval)", [r"^train/accuracy$", r"^eval/accuracy$"]),
+            ("samples per second", [r"^perf/samples_per_s$"]),
+            ("learning rate", [r"^train/lr$"]),
+            ("gradient norm", [r"^train/grad_norm$"]),
+            ("fp16 loss scale", [r"^train/loss_scale$"]),
+            ("model FLOPs utilisation, %", [r"^perf/mfu_pct$"]),
+        ],
+        MEMORY: memory,
+        COMM: [
+            ("bytes sent per rank per step (measured)", [r"^comm/bytes_per_step/total$"]),
+            ("bytes sent per rank per step (ring formula)", [r"^comm/expected_bytes_per_step$"]),
+            (
+                "bytes sent per step, by collective",
+                [r"^comm/bytes_per_step/(all_reduce|reduce_scatter|all_gather|broadcast)$"],
+            ),
+            ("time in communication per step, s", [r"^comm/time_per_step_s$"]),
+            ("communication the step waited for, s", [r"^comm/exposed_per_step_s$"]),
+            ("bus bandwidth, GB/s", [r"^comm/busbw_GBps$"]),
+        ],
+    }
+
+
+def run_layout(tags: Iterable[str]) -> dict[str, dict[str, list]]:
+    """The layout for a run logging `tags`, in SummaryWriter.add_custom_scalars' form:
+    {category: {chart title: ["Multiline", [tag regexes]]}}, only the charts some logged
+    tag matches ([Note: one layout, merged over runs])."""
+    tags = list(tags)
+    layout: dict[str, dict[str, list]] = {}
+    for category, charts in _charts().items():
+        shown = {
+            title: ["Multiline", regexes]
+            for title, regexes in charts
+            if any(re.search(rx, t) for rx in regexes for t in tags)
+        }
+        if shown:
+            layout[category] = shown
+    return layout
