@@ -15,7 +15,9 @@ import torch.multiprocessing as mp
 _CTX = mp.get_context("forkserver")
 # Children fork from a server that has already imported torch: much faster than spawn,
 # and unlike fork from pytest it carries no OpenMP thread pool that could deadlock.
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+# torch._dynamo too: the first optimizer a process builds imports it (several seconds
+# per rank, all ranks at once on a small machine).
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
 
 
 def free_port() -> int:
