@@ -20,7 +20,8 @@ from test_cli import ROOT, TORCHRUN, run_cli
 TINY = ["model.hidden=16", "model.depth=1", "train.batch_size=16", "train.log_every=1"]
 HOLD = (
     "import sys, time; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
-    "from trainer.rundir import _lock; _lock(Path(sys.argv[2])); print('held', flush=True); "
+    "from trainer.rundir import _lock; _lock(Path(sys.argv[2]), 'hydra.run.dir'); "
+    "print('held', flush=True); "
     "time.sleep(600)"
 )
 

@@ -94,10 +94,18 @@ def check_run_dir(args: list[str]) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         fail(f"run directory {path} cannot be created: {existing} is not a writable directory")
-    try:  # root passes os.access everywhere, yet cannot create /proc/x
-        path.mkdir(parents=True, exist_ok=True)
+    # Root passes os.access everywhere, yet cannot create /proc/x: try, then undo. Hydra
+    # makes the real one (its ${now:} may name another directory than this composition).
+    made: list[Path] = []
+    try:
+        for d in reversed([path, *path.parents][: [path, *path.parents].index(existing)]):
+            d.mkdir()
+            made.append(d)
     except OSError as e:
         fail(f"run directory {path} cannot be created: {e.strerror}")
+    finally:
+        for d in reversed(made):
+            d.rmdir()
 
 
 def run_and_exit(cfg: DictConfig) -> None:
