@@ -235,7 +235,11 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(comm, "_streams", {})
     monkeypatch.setattr(comm, "_pending_timings", [])
     monkeypatch.setattr(comm, "_divide", divide)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+
+    def record_stream(self, stream):  # [Note: communication streams]: never needed
+        raise AssertionError("record_stream called")
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
     monkeypatch.setattr(comm, "world_size", lambda group=None: 2)
     monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "gloo")
     monkeypatch.setattr(comm.dist, "all_reduce", all_reduce)
@@ -329,3 +333,20 @@ class _CpuWork:
 
         time.sleep(0.001)
         return True
+
+
+def test_a_handle_holds_its_tensors_until_the_compute_stream_waits(fake_cuda):
+    # Without record_stream, memory safety rests on the Handle: the collective's tensors
+    # stay referenced until wait() has ordered the compute stream after the collective.
+    import gc
+    import weakref
+
+    t = torch.ones(4)
+    ref = weakref.ref(t)
+    h = comm.all_reduce(t, average=True)
+    del t
+    gc.collect()
+    assert ref() is not None  # in flight: the Handle keeps it alive
+    h.wait()  # the compute stream waits for the collective's end event
+    gc.collect()
+    assert ref() is None  # released once waited for

@@ -207,16 +207,24 @@ class Handle:
 # different ranks, and one stream would then deadlock them, see fsdp.py's [Note: one
 # collective order on every rank]):
 #   launch: the comm stream first waits for the compute stream (the data it sends was
-#           written there), then the collective is enqueued on it; `record_stream` tells
-#           the caching allocator that these tensors are in use on the comm stream, and the
-#           Handle keeps a reference, so memory freed by the compute stream is not reused
-#           under a collective in flight. Right after, still at launch, the comm stream is
+#           written there), then the collective is enqueued on it. The Handle keeps a
+#           reference to every tensor the collective reads or writes until `wait()`; no
+#           `record_stream`. Right after, still at launch, the comm stream is
 #           ordered after the collective (NCCL runs it on a stream of its own; `work.wait()`
 #           makes the current stream wait for it without blocking the CPU) and the
 #           finishing step (averaging, adding received chunks) is enqueued behind it; an
 #           `end` event marks the result ready.
 #   wait:   the compute stream waits for `end`: only at this point, where the result is
-#           consumed, and without blocking the CPU.
+#           consumed, and without blocking the CPU. Only then does the Handle drop its
+#           references. These tensors were allocated on the compute stream, so when one
+#           is freed its memory goes back to the compute stream's pool, and everything
+#           the compute stream runs afterwards (a reuse of that memory included) is
+#           ordered after the collective: safe without telling the allocator anything.
+#           `record_stream` would instead hold the memory until the comm stream passes an
+#           event the allocator records at the free, which makes reuse, and with it
+#           `max_memory_allocated`, depend on timing (PyTorch's guidance, and FSDP2's
+#           practice, is to hold references and order with events, as here). The rule
+#           this needs: every Handle is waited for before its tensors are dropped.
 # Copies into send buffers (a bucket's flat gradient) happen where the gradient is
 # produced, on the compute stream, which the launch-time wait covers.
 # Timing: a `start` event before the collective and the `end` event after its finishing
@@ -309,8 +317,6 @@ def _on_comm_stream(*tensors: torch.Tensor | None, group: dist.ProcessGroup | No
         return
     stream = _comm_stream(live[0].device, group)
     stream.wait_stream(_cuda.current_stream(stream.device))
-    for t in live:
-        t.record_stream(stream)
     start = _timing_event(stream) if _accounting else None
     with _cuda.stream(stream):
         yield start
