@@ -16,7 +16,7 @@ train: install
 	.venv/bin/torchrun --standalone --nproc-per-node=$(NPROC) train.py mode=zero
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: install
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
