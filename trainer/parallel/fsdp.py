@@ -13,36 +13,29 @@ only its slice [r*S, (r+1)*S); the optimizer steps one piece of it per parameter
                          -> ReduceScatter(average) into the shard's .grad -> free
                          the AllGather of unit i-1 is already in flight meanwhile
 
-Memory per rank with fp32 AdamW: 16Ψ/P for shards, their grads and optimizer state, plus
-the full parameters and gradients of at most two units (the one computing, the prefetched
-one), plus the root unit's, which like FSDP2's root stays gathered from forward through
-backward: it runs first and last, so freeing it in between would only re-gather it (its
-parameters are gathered once per step, not twice). `reshard_after_forward=False` keeps
-every unit gathered from its forward until its backward: full parameters of the whole
-model at the peak, one AllGather per unit and step fewer. `no_sync()` keeps each unit's
-full gradients on its module parameters across micro-batches: the full gradients of the
-whole model (4Ψ in fp32) until the synced backward reduces them.
-Buffers (BatchNorm statistics) stay replicated and follow rank 0 as in ddp; so do frozen
-parameters (requires_grad=False): they are neither sharded nor gathered, every rank
-keeps them whole. Tied parameters live in the unit enclosing all their uses (units.py).
+What a rank holds and sends per step: the mode table in README.md (memory.py checks runs
+against it; `working_set_bytes` below is the transient part). The root unit, like
+FSDP2's, stays gathered from forward through backward: it runs first and last, so
+freeing it in between would only gather it again. `reshard_after_forward=False` keeps
+every unit gathered from its forward until its backward. `no_sync()` keeps each unit's
+full gradients on its module parameters until the synced backward reduces them.
+Buffers and frozen parameters stay whole on every rank and follow rank 0, as in ddp;
+tied parameters live in the unit enclosing all their uses (units.py). Parameters with
+different optimizer options get flat buffers of their own within a unit, so that a
+buffer's pieces share one param group; such a unit runs one AllGather and one
+ReduceScatter per buffer, at the same points.
 
-Parameters with different optimizer options (`param_options`, e.g. no weight decay on
-biases and norms) get flat buffers of their own within a unit: one shard is one tensor
-to the optimizer, so it cannot span two param groups. Such a unit then runs one
-AllGather and one ReduceScatter per buffer, at the same points.
-
-Mixed precision ([Note: master weights] in trainer/precision.py): the shards stay fp32,
-as the masters the optimizer steps; a unit's full buffer is `param_dtype`, and each
-AllGather sends the shard cast to it (half the bytes of fp32 for bf16), as FSDP's
-MixedPrecisionPolicy does. Gradients are ReduceScattered in `reduce_dtype` and kept in
-fp32 as the shard's `.grad`.
+Mixed precision ([Note: master weights] in precision.py): the shards stay fp32 as the
+masters; a unit's full buffer is `param_dtype` and each AllGather sends the shard cast to
+it, as FSDP2's MixedPrecisionPolicy does; gradients are reduced in `reduce_dtype` and
+kept in fp32 beside the shards.
 
 The end of backward (units that got no gradient, the root unit's ReduceScatter, which
 carries the used-flags of [Note: used flags] in used.py, and the waits) runs from
-autograd's end-of-backward callback, so a plain `loss.backward()` works
-([Note: end of backward] in engine.py). `engine.full_state_dict()` is a collective.
-Between steps the module's parameters are empty tensors: count them before building the
-engine.
+autograd's end-of-backward callback ([Note: end of backward] in engine.py). Collectives
+follow one order on every rank ([Note: one collective order on every rank], below).
+`engine.full_state_dict()` is a collective. Between steps the module's parameters are
+empty tensors: count them before building the engine.
 
 [Note: parameters as views of one storage]
 Module parameters stay registered (the same objects autograd knows as leaves) with their
@@ -68,9 +61,9 @@ is not a new forward: it must neither AllGather the unit a second time, nor pref
 next unit, record the unit in the forward order, register backward hooks, nor free the
 parameters its backward is about to use. The pre-forward hook recognises it by the
 engine's own state, as FSDP2's training state does: a forward while this engine's
-backward is under way (`_in_backward`, set by the first hook of the backward and cleared
-by the end-of-backward callback) is a recomputation. It only makes sure the unit is gathered:
-normally the unit's pre-backward hook already did that and the recomputation reuses the
+backward is under way (`_in_backward`, set by the first hook of the backward and
+cleared by the end-of-backward callback) is a recomputation. It only makes sure the unit
+is gathered: normally the unit's pre-backward hook already did that and the recomputation reuses the
 gathered parameters; when the checkpointed region ends after the unit (its recomputation
 then comes before the gradient reaches the unit) this is the unit's one AllGather of
 the backward, and the pre-backward hook finds it gathered. Either way each unit is

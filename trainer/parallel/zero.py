@@ -1,45 +1,37 @@
 """mode=zero (ZeRO-2): full parameters everywhere; gradients and optimizer state sharded.
+What it holds and sends per step: the mode table in README.md (memory.py checks runs
+against it).
 
-Parameters are grouped into buckets of about `bucket_mb` in reverse registration order,
-as in ddp. Each bucket keeps its parameters end to end in one flat buffer padded to a
-multiple of the world size P, and every parameter's `.data` is a view into it. Rank r
-owns the contiguous slice [r*S, (r+1)*S) of each buffer (S = padded size / P); that slice
-is wrapped as an `nn.Parameter` sharing the buffer's storage, and the optimizer is built
-over these shard parameters only, so its state is 1/P of the model's.
-
-One training step:
+Parameters are bucketed as in ddp ([Note: buckets in order] in buckets.py). Each bucket
+keeps its parameters end to end in one flat buffer padded to a multiple of the world
+size P, every parameter's `.data` being a view into it. Rank r owns the slice
+[r*S, (r+1)*S) of each buffer; the optimizer steps one piece of that slice per parameter
+([Note: per-parameter optimizer tensors] in pieces.py), so its state is 1/P of the
+model's and padding belongs to no piece.
 
     backward   a post-accumulate-grad hook copies each gradient into its bucket's flat
-               gradient buffer and drops the autograd `.grad`. A complete bucket is
-               ReduceScattered (averaged) at once, overlapping the rest of backward;
-               each rank keeps the (S,) mean of its slice as its shard's gradient and
-               the full (padded,) bucket buffer is freed. [Note: bounded buckets]
-               The last bucket is launched from the end-of-backward callback and
-               carries the used-flags ([Note: used flags] in used.py).
-    step       the optimizer updates this rank's slice of the flat parameter buffers in
-               place, one piece per parameter ([Note: per-parameter optimizer tensors]
-               in pieces.py); an in-place AllGather per bucket then brings every
-               rank's updated slice into the full parameters.
+               gradient buffer and drops autograd's `.grad`. Buckets are ReduceScattered
+               (averaged) in order as they complete, overlapping the rest of backward;
+               each rank keeps the (S,) mean of its slice and the full (padded,) buffer
+               is freed ([Note: bounded buckets]). The last bucket's collective carries
+               the used-flags ([Note: used flags] in used.py).
+    step       the optimizer updates this rank's slice in place; an in-place AllGather
+               per bucket then brings every rank's updated slice into the full
+               parameters.
 
-Model-state memory per rank with fp32 AdamW: 4Ψ (params) + 4Ψ/P (grads) + 8Ψ/P
-(optimizer) bytes, plus at most `_MAX_IN_FLIGHT + 1` full bucket buffers during backward
-and none after it. Padding elements get zero gradients, so SGD and Adam(W) keep them at
-zero; no parameter views them, so they never reach the model either way.
-
-Mixed precision ([Note: master weights] in trainer/precision.py): the flat buffers hold
-the parameters in `param_dtype` and each rank's shard is a separate fp32 master the
-optimizer steps; after the step the master is cast into this rank's slice of the buffer
-and the AllGather moves `param_dtype` (half the bytes of fp32). Gradient buckets and the
-ReduceScatter use `reduce_dtype`; the result is kept in fp32 as the master's `.grad`.
+Mixed precision ([Note: master weights] in precision.py): the flat buffers hold the
+parameters in `param_dtype` and each rank's slice has an fp32 master the pieces view;
+after the step the master is cast into the slice and the AllGather moves `param_dtype`.
+Gradients are reduced in `reduce_dtype` and kept in fp32 beside the masters.
 
 Build the engine after moving the model to its device: `.to()` would replace the views.
-Parameters with different optimizer options (`param_options`, e.g. no weight decay for
-biases and norms) are bucketed apart, so that a bucket's pieces share one param group.
+Parameters with different optimizer options (`param_options`) are bucketed apart, so a
+bucket's pieces share one param group.
 
 [Note: bounded buckets]
 ZeRO-2 that keeps every full bucket until backward ends peaks at a full gradient copy and
-saves nothing. Launching bucket i therefore first finishes (waits for and frees) the
-oldest bucket if more than `_MAX_IN_FLIGHT` are in flight: a double buffer, so backward
+saves nothing. Launching a bucket therefore first finishes (waits for and frees) the
+oldest one if more than `_MAX_IN_FLIGHT` are in flight: a double buffer, so backward
 blocks only when communication falls two buckets behind. The remaining buckets are
 finished in one place, the end-of-backward callback.
 """
