@@ -206,3 +206,19 @@ def test_unwritable_consolidate_output(tmp_path):
     assert out.returncode == 2
     [line] = _error_lines(out)
     assert str(blocker / "model.pt") in line and "Traceback" not in out.stderr
+
+
+def test_a_repeated_warning_is_printed_once(capsys, monkeypatch):
+    # A checkpoint skipped again (a later load, a restart's retry) is not warned about twice.
+    from trainer import comm
+    from trainer.checkpoint import agree
+
+    monkeypatch.setattr(comm, "rank", lambda group=None: 0)
+    monkeypatch.setattr(agree, "_said", set())
+    for _ in range(3):
+        agree.say("warning: skipping checkpoint a: truncated")
+    agree.say("warning: skipping checkpoint b: truncated")
+    assert capsys.readouterr().out.splitlines() == [
+        "warning: skipping checkpoint a: truncated",
+        "warning: skipping checkpoint b: truncated",
+    ]
