@@ -46,6 +46,7 @@ def test_a_held_run_directory_is_refused_and_a_dead_holders_lock_is_stale(tmp_pa
             "wait for it to end, or give this run another hydra.run.dir (or ckpt.dir)"
         )
         assert not (run_dir / "checkpoints").exists()
+        assert not (run_dir / ".hydra").exists()  # refused before Hydra wrote its files
     finally:
         holder.kill()  # SIGKILL: its lock file stays behind, naming it
         holder.wait()

@@ -94,6 +94,14 @@ def check_run_dir(args: list[str]) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         fail(f"run directory {path} cannot be created: {existing} is not a writable directory")
+    from trainer.rundir import held_by
+
+    holder = held_by(path)
+    if holder is not None:  # refused before Hydra writes .hydra/ over the holder's
+        fail(
+            f"{path} is in use by another run ({holder}); wait for it to end, or give "
+            "this run another hydra.run.dir (or ckpt.dir)"
+        )
     # Root passes os.access everywhere, yet cannot create /proc/x: try, then undo. Hydra
     # makes the real one (its ${now:} may name another directory than this composition).
     made: list[Path] = []

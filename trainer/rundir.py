@@ -114,6 +114,24 @@ def _lock(directory: Path, key: str) -> int:
     return fd
 
 
+def held_by(directory: Path) -> str | None:
+    """Who holds `directory`'s lock now, or None: a look before Hydra writes `.hydra/` into
+    a run directory (its files would overwrite the holder's); the lock itself is taken
+    later, by `claim`."""
+    path = Path(directory) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file, or none we can read: nobody to protect
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _describe(os.pread(fd, 4096, 0))
+    finally:
+        os.close(fd)  # also drops the shared lock taken just to look
+    return None
+
+
 def _describe(raw: bytes) -> str:
     try:
         h = json.loads(raw)
