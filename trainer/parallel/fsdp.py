@@ -33,7 +33,8 @@ kept in fp32 beside the shards.
 The end of backward (units that got no gradient, the root unit's ReduceScatter, which
 carries the used-flags of [Note: used flags] in used.py, and the waits) runs from
 autograd's end-of-backward callback ([Note: end of backward] in engine.py). Collectives
-follow one order on every rank ([Note: one collective order on every rank], below).
+follow one order on every rank ([Note: one collective order on every rank] in
+schedule.py).
 `engine.full_state_dict()` is a collective. Between steps the module's parameters are
 empty tensors: count them before building the engine.
 
@@ -93,6 +94,7 @@ from trainer.parallel.engine import (
     param_groups,
     split_by_options,
 )
+from trainer.parallel.schedule import Schedule
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import UsedFlags
 from trainer.precision import GradAccumulator, LossScaler, Precision
@@ -225,11 +227,8 @@ class FSDPEngine(Engine):
         if self.root.flats:
             self.root.flats[0].extra = len(self._used)
         self._flags: torch.Tensor | None = None  # reduced used-flags of this step
-        # [Note: one collective order on every rank]
-        self._schedule = self.units[1:]
-        self._position = {id(u): i for i, u in enumerate(self._schedule)}
-        self._fwd_next = 0  # next scheduled unit to gather in this forward
-        self._bwd_next = self._rs_next = len(self._schedule) - 1  # ... in this backward
+        # [Note: one collective order on every rank] in schedule.py
+        self._schedule = Schedule(self.units[1:], self._unshard)
         self._ran: set[int] = set()  # units that ran in this forward
         self._ready: set[int] = set()  # parameters whose gradient arrived in this backward
         self._names = {id(p): n for u in plans for n, p in u.params}
@@ -276,42 +275,6 @@ class FSDPEngine(Engine):
                 p.data = f.empty
             f.full.untyped_storage().resize_(0)
 
-    # [Note: one collective order on every rank]
-    # Ranks may run different units (control flow that depends on the rank or its data:
-    # a layer some ranks skip). Gathering and reducing units as they happen to run would
-    # then give the ranks different sequences of collectives, which pair up wrongly
-    # (equal-size units silently, others with a crash or a hang). So every collective
-    # follows one schedule that all ranks share, the units in registration order:
-    #   forward   each forward gathers every scheduled unit once, in order: a unit about
-    #             to run first gathers the units before it not yet gathered (ones this
-    #             rank skips), then itself, then prefetches the next; the root gathers
-    #             the rest when the forward ends. Skipped units are freed again.
-    #   backward  the same in reverse order: a unit's pre-backward hook gathers the units
-    #             after it not yet gathered, itself and the one before it; the
-    #             end-of-backward callback gathers those no hook reached.
-    #   reduce    ReduceScatters strictly in reverse order, as ddp's buckets: a unit whose
-    #             gradients are done waits for the units after it; those that get no
-    #             gradient are reduced (zeros) from the callback; the root comes last.
-    # A rank that skips a unit thus issues exactly the AllGathers and the ReduceScatters
-    # of a rank that runs it, each kind in the same order (they run on two process groups,
-    # since a skipping rank reduces later and so interleaves the two kinds differently),
-    # and contributes zeros to its gradient, as torch DDP with unused parameters.
-    # What it costs: a model whose forward order differs from registration order gathers
-    # some units earlier than needed; a unit that no rank runs is still gathered. Not
-    # covered: a unit called more often on some ranks than on others after being freed
-    # in between (its extra gathers have no partner).
-    def _gather_forward(self, upto: int) -> None:
-        """Forward: gather scheduled units up to index `upto`, in order."""
-        while self._fwd_next <= min(upto, len(self._schedule) - 1):
-            self._unshard(self._schedule[self._fwd_next])
-            self._fwd_next += 1
-
-    def _gather_backward(self, downto: int) -> None:
-        """Backward: gather scheduled units down to index `downto`, in reverse order."""
-        while self._bwd_next >= max(downto, 0):
-            self._unshard(self._schedule[self._bwd_next])
-            self._bwd_next -= 1
-
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward(self, u: _Unit) -> None:
         if self._in_backward:  # [Note: activation checkpointing]
@@ -320,13 +283,12 @@ class FSDPEngine(Engine):
             comm.record("recompute_begin", u.tag)
             return
         if u is self.root:
-            self._fwd_next, self._ran = 0, set()
+            self._ran = set()
             self._unshard(u)
-            self._gather_forward(0)  # prefetch: in flight while the root computes
+            self._schedule.start_forward()  # prefetches the first unit
         else:
             self._ran.add(id(u))
-            self._gather_forward(self._position[id(u)] + 1)  # catch up, u, prefetch
-            self._unshard(u)  # called again after it was freed
+            self._schedule.before_forward(u)  # catch up, u (again if freed), prefetch
         self._wait(u)
         comm.record("forward_begin", u.tag)
 
@@ -337,7 +299,7 @@ class FSDPEngine(Engine):
         comm.record("forward_end", u.tag)
         grad = torch.is_grad_enabled()
         if u is self.root:
-            self._gather_forward(len(self._schedule))  # units this rank skipped at the end
+            self._schedule.end_forward()  # units this rank skipped at the end
         if grad:
             outs = [
                 t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -351,7 +313,7 @@ class FSDPEngine(Engine):
             for v in self.units:
                 self._reshard(v)
         else:  # skipped units: freed as the ranks that ran them freed them (or kept)
-            for v in self._schedule:
+            for v in self._schedule.units:
                 if id(v) not in self._ran and self.reshard_after_forward:
                     self._reshard(v)
 
@@ -360,10 +322,9 @@ class FSDPEngine(Engine):
         self._begin_backward()
         comm.record("backward_begin", u.tag)
         if u is self.root:
-            self._gather_backward(len(self._schedule) - 1)  # prefetch the last unit
+            self._schedule.start_backward()  # prefetches the last unit
         else:
-            self._gather_backward(self._position[id(u)] - 1)  # catch up, u, prefetch
-            self._unshard(u)
+            self._schedule.before_backward(u)  # catch up, u, prefetch
         self._wait(u)
 
     def _on_grad(self, u: _Unit, p: nn.Parameter) -> None:
@@ -396,9 +357,8 @@ class FSDPEngine(Engine):
                 for p in f.params:
                     self._sums.add(p, f.reduce_dtype)
         elif u is not self.root:
-            while self._rs_next >= 0 and self._schedule[self._rs_next].done:
-                self._reduce(self._schedule[self._rs_next])
-                self._rs_next -= 1
+            for v in self._schedule.reducible():  # in order: those done, up to a gap
+                self._reduce(v)
 
     def _reduce(self, u: _Unit) -> None:
         """ReduceScatter (average) `u`'s gradients into its shards' gradients."""
@@ -431,8 +391,8 @@ class FSDPEngine(Engine):
         # [Note: one collective order on every rank]: units no hook reached are gathered
         # and reduced here, in schedule order, and the root (which carries the used-flags)
         # last, so every rank issues the same collectives.
-        self._gather_backward(0)
-        for u in self._schedule + [self.root]:
+        self._schedule.end_backward()
+        for u in self._schedule.units + [self.root]:
             if not u.done:
                 self._grads_done(u)
         if self._sync:
@@ -450,7 +410,7 @@ class FSDPEngine(Engine):
             self._reshard(u)
             u.ready, u.done = 0, False
         self._ready.clear()
-        self._bwd_next = self._rs_next = len(self._schedule) - 1
+        self._schedule.reset_backward()
 
     def _flags_alone(self) -> torch.Tensor:
         flags = torch.empty(len(self._used), device=self._device())
