@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -102,18 +103,13 @@ def check_run_dir(args: list[str]) -> None:
             f"{path} is in use by another run ({holder}); wait for it to end, or give "
             "this run another hydra.run.dir (or ckpt.dir)"
         )
-    # Root passes os.access everywhere, yet cannot create /proc/x: try, then undo. Hydra
-    # makes the real one (its ${now:} may name another directory than this composition).
-    made: list[Path] = []
+    # Root passes os.access everywhere, yet cannot create /proc/x: create a probe beside
+    # where the run directory would go and remove it. Not the run directory itself: other
+    # ranks' Hydra may be creating that one at this moment.
     try:
-        for d in reversed([path, *path.parents][: [path, *path.parents].index(existing)]):
-            d.mkdir()
-            made.append(d)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=existing))
     except OSError as e:
         fail(f"run directory {path} cannot be created: {e.strerror}")
-    finally:
-        for d in reversed(made):
-            d.rmdir()
 
 
 def run_and_exit(cfg: DictConfig) -> None:
