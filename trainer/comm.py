@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from trainer import comm_p2p
+from trainer import comm_groups, comm_p2p
 from trainer.comm_p2p import P2PWork
 
 # ---------------------------------------------------------------------------------------
@@ -39,6 +39,7 @@ class CommStats:
     # Time with at least one collective in flight: the union of the intervals, so
     # collectives in flight together count once. CPU: launch -> completion observed in
     # wait(); CUDA: start -> end of the collective on the comm stream.
+    bytes_across: float = 0.0  # of bytes_sent, what went between shard groups
     busy_s: float = 0.0
     busy_until: float = 0.0
     exposed_s: float = 0.0  # time callers (CPU) or the compute stream (CUDA) waited
@@ -65,6 +66,7 @@ class CommStats:
         _pending_timings.clear()
         self.bytes_sent.clear()
         self.calls.clear()
+        self.bytes_across = 0.0
         self.busy_s = 0.0
         self.busy_until = 0.0
         self.exposed_s = 0.0
@@ -76,11 +78,13 @@ _accounting = True  # False inside unaccounted()
 
 # ---------------------------------------------------------------------------------------
 # Test hooks, each a context manager that restores the previous setting on exit:
-# `tracing()` records (event, tag) tuples in issue order, `delayed(s)` sleeps before each
+# `tracing()` records (event, tag) tuples in issue order, `membership()` the ranks of
+# each launch's group, `delayed(s)` sleeps before each
 # launch so tests can expose missing synchronisation, `p2p(flag)` forces comm_p2p's
 # send/recv collectives on or off.
 
 _trace: list[tuple[str, str]] | None = None
+_members: list[tuple[str, tuple[int, ...]]] | None = None
 _delay_s: float = 0.0
 _use_p2p: bool | None = None  # None: p2p on Gloo, native elsewhere; True/False force either
 
@@ -94,6 +98,18 @@ def tracing() -> Iterator[list[tuple[str, str]]]:
         yield _trace
     finally:
         _trace = saved
+
+
+@contextlib.contextmanager
+def membership() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
+    """Yield the list that every launch inside the block appends (op, global ranks of
+    its group) to: which ranks each collective ran between."""
+    global _members
+    saved, _members = _members, []
+    try:
+        yield _members
+    finally:
+        _members = saved
 
 
 @contextlib.contextmanager
@@ -322,20 +338,6 @@ def _on_comm_stream(*tensors: torch.Tensor | None, group: dist.ProcessGroup | No
         yield start
 
 
-_second_groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
-
-
-def second_group() -> dist.ProcessGroup:
-    """A second group over all ranks, with the default group's backend, made once per
-    process group: its collectives are matched among themselves only, whatever order they
-    interleave with the default group's on each rank (fsdp's AllGathers, [Note: one
-    collective order on every rank]). Every rank must first call it at the same point."""
-    default = dist.group.WORLD
-    if default not in _second_groups:
-        _second_groups[default] = dist.new_group(backend=dist.get_backend())
-    return _second_groups[default]
-
-
 def world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group)
 
@@ -344,13 +346,17 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group)
 
 
-def _launch(op: str, tag: str, nbytes: float, account: bool = True) -> None:
+def _launch(op: str, tag: str, nbytes: float, account: bool = True, group=None) -> None:
     if _delay_s:
         time.sleep(_delay_s)
     if account and _accounting:
         stats.bytes_sent[op] += nbytes
         stats.calls[op] += 1
+        if comm_groups.crosses_groups(group):  # [Note: hybrid sharding]
+            stats.bytes_across += nbytes
     record(f"launch:{op}", tag)
+    if _members is not None:
+        _members.append((op, tuple(dist.get_process_group_ranks(group or dist.group.WORLD))))
 
 
 # [Note: averaging over ranks]
@@ -431,7 +437,7 @@ def all_reduce(
     messages out of the training traffic figures."""
     p = world_size(group)
     plan = _plan(average, tensor, group)
-    _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor), account)
+    _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor), account, group)
     with _on_comm_stream(tensor, group=group) as start:
         if plan.pre != 1:
             tensor.div_(plan.pre)
@@ -449,7 +455,7 @@ def reduce_scatter(
     _check_split(output, input, p, "reduce_scatter")
     via_p2p = _p2p_enabled(group)
     plan = _plan(average, input, group, via_p2p)
-    _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input))
+    _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input), group=group)
     with _on_comm_stream(output, input, group=group) as start:
         if plan.pre != 1:
             input.div_(plan.pre)
@@ -464,7 +470,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", grou
     """Every rank receives all ranks' `input` shards concatenated in rank order."""
     p = world_size(group)
     _check_split(input, output, p, "all_gather")
-    _launch("all_gather", tag, (p - 1) * _nbytes(input))
+    _launch("all_gather", tag, (p - 1) * _nbytes(input), group=group)
     with _on_comm_stream(output, input, group=group) as start:
         if _p2p_enabled(group):  # comm_p2p.py, [Note: p2p collectives on Gloo]
             work = comm_p2p.all_gather(output, input, group)
@@ -474,7 +480,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", grou
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, tag: str = "", group=None) -> Handle:
-    _launch("broadcast", tag, _nbytes(tensor) if rank(group) == src else 0)
+    _launch("broadcast", tag, _nbytes(tensor) if rank(group) == src else 0, group=group)
     with _on_comm_stream(tensor, group=group) as start:
         work = dist.broadcast(tensor, src, group=group, async_op=True)
     return Handle(work, keep=(tensor,), start=start, group=group)
@@ -482,7 +488,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, tag: str = "", group=None) 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, *, tag: str = "", group=None) -> Handle:
     """Sum `tensor` into rank `dst`; other ranks' copies are left undefined."""
-    _launch("reduce", tag, _nbytes(tensor))
+    _launch("reduce", tag, _nbytes(tensor), group=group)
     with _on_comm_stream(tensor, group=group) as start:
         work = dist.reduce(tensor, dst, group=group, async_op=True)
     return Handle(work, keep=(tensor,), start=start, group=group)
@@ -497,18 +503,18 @@ def gather(
     group=None,
 ) -> Handle:
     """Rank `dst` receives every rank's `tensor` in `gather_list` (None elsewhere)."""
-    _launch("gather", tag, _nbytes(tensor) if rank(group) != dst else 0)
+    _launch("gather", tag, _nbytes(tensor) if rank(group) != dst else 0, group=group)
     return Handle(dist.gather(tensor, gather_list, dst, group=group, async_op=True))
 
 
 def barrier(*, tag: str = "", group=None) -> Handle:
-    _launch("barrier", tag, 0)
+    _launch("barrier", tag, 0, group=group)
     return Handle(dist.barrier(group=group, async_op=True))
 
 
 def broadcast_object(objects: list, src: int = 0, group=None) -> None:
     """Replace `objects` in place with rank `src`'s list (picklable Python objects)."""
-    _launch("broadcast_object", "", 0)
+    _launch("broadcast_object", "", 0, group=group)
     dist.broadcast_object_list(objects, src, group=group)
 
 

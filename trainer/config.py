@@ -57,6 +57,10 @@ def validate(cfg: DictConfig, world_size: int) -> None:
             f"train.batch_size={cfg.train.batch_size} is not divisible by world size "
             f"{world_size}{accum}; use a multiple of {world_size * k}"
         )
+    if cfg.mode.get("shard_group_size") is not None:
+        from trainer.comm_groups import check_shard_group_size
+
+        check_shard_group_size(cfg.mode.shard_group_size, world_size)
     _whole("train.eval_every", cfg.train.get("eval_every", 0), minimum=0)
     if cfg.train.get("eval_batches") is not None:
         _whole("train.eval_batches", cfg.train.eval_batches, minimum=1)

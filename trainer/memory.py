@@ -41,6 +41,12 @@ Traffic per rank per step, ring algorithms: ddp 2(P-1)/P·Ψr (AllReduce), zero
 (P-1)/P·Ψr + (P-1)/P·Ψb (ReduceScatter, AllGather), fsdp (P-1)/P·(Ψr + 2Ψb) (AllGather
 twice, ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
 multiple of P, so their measured figures can be a few elements above.
+
+Hybrid sharding ([Note: hybrid sharding] in comm_groups.py): the sharded kinds are split
+over the S ranks of a shard group instead of P (fsdp with fp32 AdamW: 16Ψ/S), the
+mode's collectives run inside the group (P -> S above), and each rank sends its slice
+of the gradients across the R = P/S replicas: 2(R-1)/R · Ψr/S, logged apart as
+`comm/bytes_per_step/across_groups`.
 """
 
 from __future__ import annotations
@@ -149,12 +155,14 @@ def expected(
     grad_bytes: int,
     optimizer_state_per_param_bytes: float,
     unit_bytes: int = 0,
+    shard_group_size: int | None = None,
 ) -> dict[str, float]:
     """Model-state bytes per rank the formulas predict (see [Note: the expected figures]).
 
     `param_bytes` is the compute dtype's size, `grad_bytes` the reduce dtype's. Below 4
     bytes, parameters have fp32 masters. `working_set` adds `unit_bytes`, the full units
-    fsdp holds while a step runs."""
+    fsdp holds while a step runs. Sharded kinds are split over `shard_group_size` ranks
+    (hybrid sharding), all `world_size` by default."""
     shape = _engine_class(mode)
     mixed = param_bytes != 4
     params, master = param_bytes, 4 if mixed else 0
@@ -167,20 +175,41 @@ def expected(
         "grads": numel * grads,
         "optimizer": numel * optimizer_state_per_param_bytes,
     }
-    out = {k: v / world_size if k in shape.sharded_kinds else float(v) for k, v in full.items()}
+    split = shard_group_size or world_size
+    out = {k: v / split if k in shape.sharded_kinds else float(v) for k, v in full.items()}
     out["model_state"] = out["params"] + out["master"] + out["grads"] + out["optimizer"]
     out["working_set"] = out["model_state"] + unit_bytes
     return out
 
 
 def expected_traffic(
-    mode: str, numel: int, bytes_per_elem: int, world_size: int, grad_bytes: int | None = None
+    mode: str,
+    numel: int,
+    bytes_per_elem: int,
+    world_size: int,
+    grad_bytes: int | None = None,
+    shard_group_size: int | None = None,
 ) -> float:
     """Bytes each rank sends per step under the ring model: parameters AllGathered in
-    `bytes_per_elem`, gradients reduced in `grad_bytes` (the same when not given)."""
-    p, shape = world_size, _engine_class(mode)
+    `bytes_per_elem`, gradients reduced in `grad_bytes` (the same when not given). With
+    hybrid sharding the collectives of the mode run inside shard groups of
+    `shard_group_size`, plus `expected_traffic_across`."""
+    shape = _engine_class(mode)
+    p = shard_group_size or world_size
     r = bytes_per_elem if grad_bytes is None else grad_bytes
-    return (shape.grads_sent * r + shape.params_sent * bytes_per_elem) * (p - 1) / p * numel
+    inside = (shape.grads_sent * r + shape.params_sent * bytes_per_elem) * (p - 1) / p * numel
+    return inside + expected_traffic_across(mode, numel, r, world_size, shard_group_size)
+
+
+def expected_traffic_across(
+    mode: str, numel: int, grad_bytes: int, world_size: int, shard_group_size: int | None
+) -> float:
+    """Bytes each rank sends per step between shard groups (hybrid sharding): its 1/S
+    slice of the gradients AllReduced over the R = P/S replicas, 2(R-1)/R · Ψr/S."""
+    if not shard_group_size or shard_group_size == world_size:
+        return 0.0
+    r = world_size // shard_group_size
+    return 2 * (r - 1) / r * numel * grad_bytes / shard_group_size
 
 
 # nccl-tests bus bandwidth factors: busbw = algbw x factor.
@@ -262,14 +291,20 @@ class MemoryMonitor:
         if k is None:
             return None
         units = self.engine.working_set_bytes()
-        p = self.engine.world_size
+        p, s = self.engine.world_size, self.engine.mesh.size
         return expected(
-            self.engine.name, self.numel, p, self.param_bytes, self.grad_bytes, k, units
+            self.engine.name, self.numel, p, self.param_bytes, self.grad_bytes, k, units, s
         )
 
     def expected_traffic(self) -> float | None:
-        p = self.engine.world_size
-        return expected_traffic(self.engine.name, self.numel, self.param_bytes, p, self.grad_bytes)
+        p, s = self.engine.world_size, self.engine.mesh.size
+        return expected_traffic(
+            self.engine.name, self.numel, self.param_bytes, p, self.grad_bytes, s
+        )
+
+    def expected_traffic_across(self) -> float:
+        p, s = self.engine.world_size, self.engine.mesh.size
+        return expected_traffic_across(self.engine.name, self.numel, self.grad_bytes, p, s)
 
     def peak(self) -> int | None:
         """This rank's peak bytes: CUDA allocator peak on GPU; on CPU the highest sampled
@@ -293,6 +328,9 @@ class MemoryMonitor:
         traffic = self.expected_traffic()
         if traffic:  # None for an unknown mode; 0 on one rank, where nothing is sent
             out["comm/expected_bytes_per_step"] = traffic
+        across = self.expected_traffic_across()
+        if across:  # hybrid sharding: the part that goes between shard groups
+            out["comm/expected_bytes_per_step_across_groups"] = across
         return out
 
 

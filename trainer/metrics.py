@@ -78,6 +78,7 @@ class IntervalMetrics:
         self._sums["comm_busy_s"] = comm.stats.busy_s
         self._sums["comm_exposed_s"] = comm.stats.exposed_s
         bytes_per_op = dict(comm.stats.bytes_sent)
+        across = comm.stats.bytes_across  # [Note: hybrid sharding] in comm_groups.py
         # Some sums are device tensors (loss, correct, grad norm: no sync per step), the
         # others Python floats; every element goes to the metric device before stacking,
         # since torch.stack refuses a mix of CUDA and CPU tensors.
@@ -124,6 +125,10 @@ class IntervalMetrics:
         for op, nbytes in bytes_per_op.items():
             out[f"comm/bytes_per_step/{op}"] = nbytes / steps_local
         out["comm/bytes_per_step/total"] = sum(bytes_per_op.values()) / steps_local
+        if across:
+            out["comm/bytes_per_step/across_groups"] = across / steps_local
+            inside = sum(bytes_per_op.values()) - across
+            out["comm/bytes_per_step/inside_groups"] = inside / steps_local
         out.update(bandwidth(bytes_per_op, busy, p))  # comm/algbw_GBps, comm/busbw_GBps
         return out
 

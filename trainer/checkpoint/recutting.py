@@ -34,17 +34,19 @@ def prepare(path: Path, engine) -> tuple[dict, dict, dict | None]:
     buffers = {k: tuple(module[k].shape) for k, name in mine["keys"] if name is None}
     _check_compatible(path / "meta.pt", meta, mine, buffers, type(engine.optimizer).__name__)
     rank = comm.rank()
-    if saved == mine:  # the fast path: this rank's file (and rank 0's for unsharded groups)
-        need = {rank} | {0 for g in saved["groups"] if not g["sharded"]}
+    # Sharded groups are held by the first shard group's ranks ([Note: hybrid sharding]).
+    holder = rank % holders(saved)
+    if saved == mine:  # the fast path: the file of this rank's slice (and rank 0's)
+        need = {rank, holder} | {0 for g in saved["groups"] if not g["sharded"]}
     else:  # [Note: re-cutting shards]
         need = set(range(saved["world_size"]))
     files = {r: read_rank(path, r, meta) for r in sorted(need)}
     if saved == mine:
         state = {"params": [], "optim": []}
         for i, g in enumerate(saved["groups"]):
-            holder = files[rank if g["sharded"] else 0]
-            state["params"].append(holder["params"][i])
-            state["optim"].append(holder["optim"][i])
+            holder_file = files[holder if g["sharded"] else 0]
+            state["params"].append(holder_file["params"][i])
+            state["optim"].append(holder_file["optim"][i])
     else:
         state = recut(saved, files, mine, rank)
     state["optim_hparams"] = meta["optim_hparams"]
@@ -108,10 +110,10 @@ def full_tensors(layout: dict, files: dict[int, dict]) -> tuple[dict, dict, dict
     per_element: dict[str, dict[str, torch.Tensor]] = {}
     scalar: dict[str, dict[str, Any]] = {}
     for i, g in enumerate(layout["groups"]):
-        holders = range(layout["world_size"]) if g["sharded"] else [0]
-        ranges = [g["ranges"][r] for r in holders]
-        flat = _assemble([files[r]["params"][i] for r in holders], ranges)
-        entries = [files[r]["optim"][i] for r in holders]
+        held_by = range(holders(layout)) if g["sharded"] else [0]
+        ranges = [g["ranges"][r] for r in held_by]
+        flat = _assemble([files[r]["params"][i] for r in held_by], ranges)
+        entries = [files[r]["optim"][i] for r in held_by]
         keys = sorted({k for e in entries for k in e["per_element"]})
         # A rank whose pieces have no state yet (never stepped) holds no entry: zeros.
         opt_flat = {
@@ -131,6 +133,11 @@ def full_tensors(layout: dict, files: dict[int, dict]) -> tuple[dict, dict, dict
         for e in entries:  # a parameter split over ranks: the same counters on each
             scalar.update(e["scalar"])
     return values, per_element, scalar
+
+
+def holders(layout: dict) -> int:
+    """How many ranks (0, 1, ...) hold the slices of sharded groups: a shard group's."""
+    return layout.get("shard_group_size", layout["world_size"])
 
 
 def _assemble(pieces: list[torch.Tensor], ranges: list[list[int]]) -> torch.Tensor:

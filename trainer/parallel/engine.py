@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import comm, host
+from trainer import comm, comm_groups, host
 from trainer.errors import ConfigError
 from trainer.parallel import state
 from trainer.parallel.state import ShardGroup
@@ -89,6 +89,9 @@ class Engine(ABC):
         self.module = module
         self.world_size = comm.world_size()
         self.rank = comm.rank()
+        # The ranks a sharding mode splits its state over ([Note: hybrid sharding] in
+        # comm_groups.py): all of them unless the mode was given a shard group size.
+        self.mesh = comm_groups.Mesh(None, None, self.world_size, self.rank, 1)
         # [Note: master weights] in trainer/precision.py. Each mode builds its fp32
         # masters from the module's fp32 values, then casts the module.
         self.precision = precision or Precision()
@@ -229,9 +232,9 @@ class Engine(ABC):
         values: dict[int, torch.Tensor] = {}
         for g in self.shard_groups():
             flat = g.local.detach().reshape(-1)
-            if g.sharded:  # everyone's slice of the fp32 masters, in rank order
+            if g.sharded:  # the shard group's slices of the fp32 masters, in rank order
                 full = flat.new_empty(g.layout.padded_numel)
-                comm.all_gather(full, flat, tag="state").wait()
+                comm.all_gather(full, flat, tag="state", group=self.mesh.shard).wait()
                 flat = full
             for name, view in zip(g.names, g.layout.views(flat), strict=True):
                 values[id(named[name])] = view.cpu().clone()
@@ -290,9 +293,9 @@ class Engine(ABC):
         device = self._device()
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
         sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
-        if sharded:
+        if sharded:  # each slice once: summed over one shard group, not its replicas
             sq = sq.reshape(1)
-            comm.all_reduce(sq, tag="grad_norm", account=False).wait()
+            comm.all_reduce(sq, tag="grad_norm", account=False, group=self.mesh.shard).wait()
             sq = sq.reshape(())
         total = sq.sqrt()
         # As torch: the 1e-6 keeps a zero norm finite; a factor above 1 is clamped away.

@@ -25,6 +25,10 @@ different optimizer options get flat buffers of their own within a unit, so that
 buffer's pieces share one param group; such a unit runs one AllGather and one
 ReduceScatter per buffer, at the same points.
 
+With `shard_group_size=S` each unit is cut into S slices: the ranks of one shard group
+split it and gather it among themselves, the P/S groups hold replicas and average the
+reduced slices across them ([Note: hybrid sharding] in comm_groups.py).
+
 Mixed precision ([Note: master weights] in precision.py): the shards stay fp32 as the
 masters; a unit's full buffer is `param_dtype` and each AllGather sends the shard cast to
 it, as FSDP2's MixedPrecisionPolicy does; gradients are reduced in `reduce_dtype` and
@@ -81,7 +85,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from trainer import comm
+from trainer import comm, comm_groups
 from trainer.errors import ConfigError
 from trainer.flat import FlatLayout, ScatterInput
 from trainer.parallel import pieces
@@ -204,9 +208,11 @@ class FSDPEngine(Engine):
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
         param_options: ParamGroupFn | None = None,
+        shard_group_size: int | None = None,
     ):
         # rank 0's initial values reach every rank before sharding
         super().__init__(module, precision, scaler)
+        self.mesh = comm_groups.mesh(shard_group_size)  # [Note: hybrid sharding]
         self.reshard_after_forward = reshard_after_forward
         classes = DEFAULT_UNIT_CLASSES if unit_classes is None else tuple(unit_classes)
         plans = plan_units(module, classes, min_unit_params, repeated_children)
@@ -215,7 +221,7 @@ class FSDPEngine(Engine):
         tags = ["root"] + [f"unit{i}" for i in range(len(plans) - 1)]
         self._used = UsedFlags([p for u in plans for _, p in u.params])  # [Note: used flags]
         self.units = [
-            _Unit(t, u, self._used, self.world_size, self.rank, self.precision, param_options)
+            _Unit(t, u, self._used, self.mesh.size, self.mesh.rank, self.precision, param_options)
             for t, u in zip(tags, plans, strict=True)
         ]
         if self.precision.mixed:  # buffers (parameters already point at cast buffers)
@@ -235,8 +241,12 @@ class FSDPEngine(Engine):
         # AllGathers on a group of their own: a rank that skips a unit reduces it later in
         # backward than the others, so AllGathers and ReduceScatters interleave
         # differently across ranks, while each kind alone keeps one order.
-        self._gather_group = comm.second_group()
+        self._gather_group = comm_groups.second_group(self.mesh.shard)
+        # ReduceScatters in flight, in launch order: (buffer, handle, output, input)
         self._reducing: list[tuple[_Flat, comm.Handle, torch.Tensor, ScatterInput]] = []
+        # Inputs freed, results pending (an AllReduce across replicas, or none):
+        # (buffer, handle or None, output), taken in the end-of-backward callback.
+        self._reduced: list[tuple[_Flat, comm.Handle | None, torch.Tensor]] = []
         self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
@@ -370,18 +380,35 @@ class FSDPEngine(Engine):
             if f.extra:
                 self._used.fill(flat.control)
             out = torch.empty(flat.shard + f.extra, dtype=f.reduce_dtype, device=f.full.device)
-            handle = comm.reduce_scatter(out, flat.input, average=True, tag=f.tag)
+            handle = comm.reduce_scatter(
+                out, flat.input, average=True, tag=f.tag, group=self.mesh.shard
+            )
             self._reducing.append((f, handle, out, flat))
-        # Earlier ReduceScatters ran while this unit computed: finish them, free their input.
+        # Earlier ReduceScatters ran while this unit computed: free their inputs.
         while len(self._reducing) > len(u.flats):
-            self._finish_reduce()
+            self._release()
 
-    def _finish_reduce(self) -> None:
-        f, handle, out, flat = self._reducing.pop(0)
+    def _release(self) -> None:
+        """Wait for the oldest ReduceScatter and free its full-size input; keep its output
+        for the end of backward, averaged across replicas first when there are any
+        ([Note: hybrid sharding] in comm_groups.py). As FSDP2: the compute stream waits
+        for the collective here, to reuse the input's memory; the result is consumed in
+        the end-of-backward callback."""
+        f, handle, out, _ = self._reducing.pop(0)
         handle.wait()
+        across = None
+        if self.mesh.replicate is not None:
+            across = comm.all_reduce(out, average=True, tag=f.tag, group=self.mesh.replicate)
+        self._reduced.append((f, across, out))
+
+    def _collect(self) -> None:
+        f, handle, out = self._reduced.pop(0)
+        if handle is not None:
+            handle.wait()
+        n = out.numel() - f.extra
         if f.extra:
-            self._flags = out[flat.shard :]
-        reduced = out[: flat.shard].float()  # the shard's dtype; no copy when already fp32
+            self._flags = out[n:]
+        reduced = out[:n].float()  # the shard's dtype; no copy when already fp32
         if f.shard_grad is None:
             f.shard_grad = reduced
         else:  # several synced backwards before a step accumulate, as in torch
@@ -398,7 +425,9 @@ class FSDPEngine(Engine):
         if self._sync:
             self._reduce(self.root)
         while self._reducing:
-            self._finish_reduce()
+            self._release()
+        while self._reduced:
+            self._collect()
         if self._sync:
             if not self.root.flats and self.world_size > 1:  # no root buffer to ride on
                 self._flags = self._flags_alone()
@@ -463,7 +492,8 @@ class FSDPEngine(Engine):
             + module_grads
             + self._sums.tensors(),
             "optimizer": optimizer_state_tensors(self.optimizer),
-            "comm": [t for _, _, out, flat in self._reducing for t in (out, flat.rows)],
+            "comm": [t for _, _, out, flat in self._reducing for t in (out, flat.rows)]
+            + [out for _, _, out in self._reduced],
         }
 
     def shard_groups(self) -> list[ShardGroup]:

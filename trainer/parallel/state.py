@@ -60,11 +60,12 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
     named = dict(engine.module.named_parameters())
     canonical: dict[int, str] = {}
     groups = []
+    size = engine.mesh.size  # ranks sharing one copy: rank r holds slice r % size
     for g in engine.shard_groups():
         canonical.update({id(named[n]): n for n in g.names})
-        s = g.layout.padded_numel // engine.world_size
+        s = g.layout.padded_numel // size
         ranges = [
-            [r * s, (r + 1) * s] if g.sharded else [0, g.layout.numel]
+            [r % size * s, (r % size + 1) * s] if g.sharded else [0, g.layout.numel]
             for r in range(engine.world_size)
         ]
         groups.append(
@@ -81,18 +82,26 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
     # Every state_dict key, with the grouped parameter it names (tied weights: two keys,
     # one parameter), or None for tensors every rank keeps whole (buffers, frozen).
     keys = [[k, canonical.get(id(v))] for k, v in engine.module.state_dict(keep_vars=True).items()]
-    return {"mode": engine.name, "world_size": engine.world_size, "groups": groups, "keys": keys}
+    return {
+        "mode": engine.name,
+        "world_size": engine.world_size,
+        # [Note: hybrid sharding] in comm_groups.py: ranks [0, size) hold one whole copy
+        "shard_group_size": size,
+        "groups": groups,
+        "keys": keys,
+    }
 
 
 @torch.no_grad()
 def sharded_state(engine: Engine) -> dict[str, Any]:
     """This rank's model and optimizer state as CPU copies, 1-D per group, and the
     layout; no communication. Unsharded groups are kept by rank 0 alone (ddp writes
-    its model once); other ranks hold None there."""
+    its model once), sharded ones by the first shard group (its replicas hold the same
+    slices); other ranks hold None there."""
     groups, opt = engine.shard_groups(), engine.optimizer
     params, optim = [], []
     for g in groups:
-        held = g.sharded or engine.rank == 0
+        held = engine.rank < engine.mesh.size if g.sharded else engine.rank == 0
         params.append(g.local.detach().reshape(-1).cpu().clone() if held else None)
         optim.append(_optimizer_entry(opt.state, g) if held else None)
     layout = shard_layout(engine)

@@ -24,16 +24,25 @@ parameters in `param_dtype` and each rank's slice has an fp32 master the pieces 
 after the step the master is cast into the slice and the AllGather moves `param_dtype`.
 Gradients are reduced in `reduce_dtype` and kept in fp32 beside the masters.
 
+With `shard_group_size=S` the buckets are cut into S slices, not P: the ranks of one
+shard group split the state, the P/S groups hold replicas ([Note: hybrid sharding] in
+comm_groups.py).
+
 Build the engine after moving the model to its device: `.to()` would replace the views.
 Parameters with different optimizer options (`param_options`) are bucketed apart, so a
 bucket's pieces share one param group.
 
 [Note: bounded buckets]
 ZeRO-2 that keeps every full bucket until backward ends peaks at a full gradient copy and
-saves nothing. Launching a bucket therefore first finishes (waits for and frees) the
-oldest one if more than `_MAX_IN_FLIGHT` are in flight: a double buffer, so backward
-blocks only when communication falls two buckets behind. The remaining buckets are
-finished in one place, the end-of-backward callback.
+saves nothing. Launching a bucket therefore first releases the oldest one if more than
+`_MAX_IN_FLIGHT` are in flight: waits for its ReduceScatter and frees the full-size
+input (a double buffer, so backward blocks only when communication falls two buckets
+behind; on CUDA the compute stream waits, the CPU does not). Its reduced slice (1/S of
+the bucket) is kept, and only the end-of-backward callback turns the slices into the
+pieces' gradients, as FSDP2 keeps its ReduceScatter outputs until then
+(`reduce_scatter_max_input_buffers` is its bound on inputs). With replicas ([Note:
+hybrid sharding] in comm_groups.py) the release also starts the slice's AllReduce
+across them, which overlaps the rest of backward and is waited for in the callback.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from trainer import comm
+from trainer import comm, comm_groups
 from trainer.flat import FlatLayout, ScatterInput, bucketize
 from trainer.parallel import pieces
 from trainer.parallel.buckets import BucketQueue
@@ -132,8 +141,10 @@ class ZeroEngine(Engine):
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
         param_options: ParamGroupFn | None = None,
+        shard_group_size: int | None = None,
     ):
         super().__init__(module, precision, scaler)
+        self.mesh = comm_groups.mesh(shard_group_size)  # [Note: hybrid sharding]
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in named}
         self._used = UsedFlags([p for _, p in named])  # [Note: used flags]
@@ -150,8 +161,8 @@ class ZeroEngine(Engine):
                 i,
                 [(self._names[id(p)], p) for p in ps],
                 [self._used.index[id(p)] for p in ps],
-                self.world_size,
-                self.rank,
+                self.mesh.size,
+                self.mesh.rank,
                 self.precision,
                 opts,
             )
@@ -161,7 +172,8 @@ class ZeroEngine(Engine):
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
             self._cast_module()
         self._queue = BucketQueue(self.buckets, self._names, self._launch, self.name)
-        self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
+        self._in_flight: list[_Bucket] = []  # ReduceScatters launched, in launch order
+        self._reduced: list[_Bucket] = []  # inputs freed; results (or AllReduces) pending
         self._flags: torch.Tensor | None = None  # reduced used-flags of this step
         self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
         for b in self.buckets:
@@ -199,15 +211,29 @@ class ZeroEngine(Engine):
             self._used.fill(b.grad.control)
         b.reduced = torch.empty(b.grad.shard + b.extra, dtype=b.reduce_dtype, device=b.flat.device)
         b.handle = comm.reduce_scatter(
-            b.reduced, b.grad.input, average=True, tag=f"bucket{b.index}"
+            b.reduced, b.grad.input, average=True, tag=f"bucket{b.index}", group=self.mesh.shard
         )
         self._in_flight.append(b)
         if len(self._in_flight) > _MAX_IN_FLIGHT:  # [Note: bounded buckets]
-            self._finish(self._in_flight.pop(0))
+            self._release(self._in_flight.pop(0))
 
-    def _finish(self, b: _Bucket) -> None:
+    def _release(self, b: _Bucket) -> None:
+        """Wait for `b`'s ReduceScatter and free its full-size input; with replicas, start
+        averaging the reduced slice across them ([Note: hybrid sharding])."""
         b.handle.wait()
-        s = b.grad.shard
+        # Dropping the handle too: an in-flight op may hold references to its buffers.
+        b.grad = b.handle = None
+        if self.mesh.replicate is not None:
+            b.handle = comm.all_reduce(
+                b.reduced, average=True, tag=f"bucket{b.index}", group=self.mesh.replicate
+            )
+        self._reduced.append(b)
+
+    def _collect(self, b: _Bucket) -> None:
+        """`b`'s averaged slice into the gradient the pieces see."""
+        if b.handle is not None:
+            b.handle.wait()
+        s = b.reduced.numel() - b.extra
         reduced = b.reduced[:s].float()  # the masters' dtype; no copy when already fp32
         if b.extra:
             self._flags = b.reduced[s:]
@@ -215,8 +241,7 @@ class ZeroEngine(Engine):
             b.shard_grad = reduced
         else:  # several synced backwards before a step accumulate, as in torch
             b.shard_grad.add_(reduced)
-        # Dropping the handle too: an in-flight op may hold references to its buffers.
-        b.grad = b.reduced = b.handle = None
+        b.reduced = b.handle = None
 
     def _finish_backward(self) -> None:
         if not self._sync:
@@ -225,7 +250,9 @@ class ZeroEngine(Engine):
         self._queue.launch(force=True)
         self._queue.reset()
         while self._in_flight:
-            self._finish(self._in_flight.pop(0))
+            self._release(self._in_flight.pop(0))
+        while self._reduced:
+            self._collect(self._reduced.pop(0))
         unused = self._used.unused_everywhere(self._flags)
         for b in self.buckets:
             pieces.hand_out(b.pieces, b.shard_grad, unused)
@@ -252,7 +279,8 @@ class ZeroEngine(Engine):
         # Launch all, then wait all: the AllGathers overlap each other. Each rank's input
         # is its own slice of the output buffer, so the gather runs in place.
         handles = [
-            comm.all_gather(b.flat, b.shard_data, tag=f"bucket{b.index}") for b in self.buckets
+            comm.all_gather(b.flat, b.shard_data, tag=f"bucket{b.index}", group=self.mesh.shard)
+            for b in self.buckets
         ]
         comm.wait_all(handles)
 
