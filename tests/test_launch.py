@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -22,8 +23,12 @@ def _final_model(root) -> dict:
 @pytest.mark.slow
 def test_two_nodes_match_one_node_of_four(tmp_path):
     """Two torchrun launchers, --nnodes=2 with c10d rendezvous on localhost, 2 ranks each,
-    end with the same parameters as one launcher with 4 ranks."""
+    running fsdp with hybrid sharding over the two nodes (mode.shard_group_size=2), end
+    with the same parameters as ddp on one launcher with 4 ranks; and no AllGather or
+    ReduceScatter ever ran between ranks of different launchers."""
     port = free_port()
+    trace = tmp_path / "trace"
+    trace.mkdir()
     node = [
         sys.executable,
         "-m",
@@ -33,13 +38,20 @@ def test_two_nodes_match_one_node_of_four(tmp_path):
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=two-nodes",
-        str(ROOT / "train.py"),
+        str(ROOT / "tests" / "traced_train.py"),
         *COMMON,
+        "mode=fsdp",
+        "mode.shard_group_size=2",
         f"run.root={tmp_path / 'two'}",
     ]
     launchers = [
         subprocess.Popen(
-            node, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            node,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "TRACE_DIR": str(trace), "PYTHONPATH": str(ROOT)},
         )
         for _ in range(2)
     ]
@@ -66,6 +78,22 @@ def test_two_nodes_match_one_node_of_four(tmp_path):
         torch.testing.assert_close(two[k], four[k], atol=1e-6, rtol=1e-5)
     [run_dir] = list((tmp_path / "two").iterdir())  # one directory for both nodes
     assert json.loads((run_dir / "final_metrics.json").read_text())["world_size"] == 4
+
+    records = [json.loads((trace / f"rank{r}.json").read_text()) for r in range(4)]
+    launcher = {r: rec["launcher"] for r, rec in enumerate(records)}
+    assert sorted(launcher.values()) == [0, 0, 1, 1]
+    sharding = [
+        ranks
+        for rec in records
+        for op, ranks in rec["members"]
+        if op in ("all_gather", "reduce_scatter")
+    ]
+    assert len(sharding) > 8 * 2 * 4  # every step's gathers and scatters, on every rank
+    for ranks in sharding:
+        assert len(ranks) == 2 and len({launcher[r] for r in ranks}) == 1, ranks
+    # the gradients' slices did cross, in AllReduces between the launchers
+    across = [ranks for rec in records for op, ranks in rec["members"] if op == "all_reduce"]
+    assert any({launcher[r] for r in ranks} == {0, 1} and len(ranks) == 2 for ranks in across)
 
 
 @pytest.mark.slow
