@@ -12,6 +12,13 @@ Contenders, each paired with the PyTorch code that does the same job:
     zero   vs fsdp2_keep   fully_shard(..., reshard_after_forward=False)
     fsdp   vs fsdp2        fully_shard(..., reshard_after_forward=True)
 
+With `--shard-group-size S` (hybrid sharding, S dividing P), four more:
+
+    zero_hybrid  vs fsdp2_hsdp_keep   mode=zero, mode.shard_group_size=S; fully_shard
+                                      over a (P/S, S) DeviceMesh, reshard_after_forward=False
+    fsdp_hybrid  vs fsdp2_hsdp        mode=fsdp, mode.shard_group_size=S; the same with
+                                      reshard_after_forward=True (FSDP2's HSDP)
+
 FSDP2 shards the same units as `mode=fsdp` (trainer.parallel.units.plan_units: here
 every hidden Linear), then the root. Every contender gets the same model (same seed),
 the same batch on each rank, and AdamW(lr=1e-3) with PyTorch's default implementation.
@@ -47,7 +54,9 @@ first round; `--mem-width/--mem-depth` add a pass on a larger model for memory a
 Traffic: bytes each rank sends per step. Ours: counted by trainer.comm (ring model) over
 the timed steps. PyTorch's: the ring formula for the collectives it issues (DDP one
 AllReduce of Ψ; FSDP2 one AllGather per unit forward, another per unit backward when it
-reshards after forward (not the root), one ReduceScatter per unit).
+reshards after forward (not the root), one ReduceScatter per unit; HSDP the same inside
+groups of S plus an AllReduce of each unit's 1/S slice across the P/S groups). "across"
+is the part sent between shard groups (between nodes, when a group is a node).
 """
 
 from __future__ import annotations
@@ -79,7 +88,14 @@ from trainer.parallel import build_engine  # noqa: E402
 from trainer.parallel.units import plan_units  # noqa: E402
 
 CONTENDERS = ("floor", "ddp", "torch_ddp", "zero", "fsdp2_keep", "fsdp", "fsdp2")
-PAIRS = {"ddp": "torch_ddp", "zero": "fsdp2_keep", "fsdp": "fsdp2"}
+HYBRID = ("zero_hybrid", "fsdp2_hsdp_keep", "fsdp_hybrid", "fsdp2_hsdp")
+PAIRS = {
+    "ddp": "torch_ddp",
+    "zero": "fsdp2_keep",
+    "fsdp": "fsdp2",
+    "zero_hybrid": "fsdp2_hsdp_keep",
+    "fsdp_hybrid": "fsdp2_hsdp",
+}
 # Targets from the issue: step time as a fraction of PyTorch's, peak model state / 16Ψ
 # (memory targets hold at P=2).
 TIME_TARGET = {"ddp": 0.95, "zero": 0.6, "fsdp": 0.6}
@@ -95,7 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated")
+    ap.add_argument("--contenders", default="", help="comma-separated (default: all)")
+    ap.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=0,
+        help="S: add the hybrid contenders, sharding within groups of S ranks",
+    )
     ap.add_argument("--mem-width", type=int, default=0, help="memory pass width (0: none)")
     ap.add_argument("--mem-depth", type=int, default=0, help="memory pass depth")
     ap.add_argument("--no-memory", action="store_true", help="skip memory measurement")
@@ -104,10 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="JSON results")
     ap.add_argument("--md", type=Path, help="markdown tables")
     args = ap.parse_args(argv)
-    args.contenders = [c for c in args.contenders.split(",") if c]
-    unknown = set(args.contenders) - set(CONTENDERS)
+    known = CONTENDERS + (HYBRID if args.shard_group_size else ())
+    args.contenders = [c for c in args.contenders.split(",") if c] or list(known)
+    unknown = set(args.contenders) - set(known)
     if unknown:
-        ap.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
+        hint = " (the hybrid ones need --shard-group-size)" if set(unknown) & set(HYBRID) else ""
+        ap.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(known)}{hint}")
     return args
 
 
@@ -122,6 +146,7 @@ class Built:
     state: Callable[[], int]  # live model-state bytes ([Note: how memory is measured])
     bytes_per_step: Callable[[], float] | None  # formula (PyTorch's); None: comm.stats
     engine: object | None = None
+    across_per_step: float = 0.0  # of bytes_per_step, sent between shard groups (formula)
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -160,7 +185,8 @@ def torch_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, extra: int =
     return storage_bytes(params + grads + state) + extra
 
 
-def build(name: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor) -> Built:
+def build(name: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor, s: int = 0) -> Built:
+    """Contender `name`; `s` is the shard group size of the hybrid ones."""
     model = make_model(width, depth)
     p, psi = comm.world_size(), sum(t.numel() for t in model.parameters())
 
@@ -178,8 +204,11 @@ def build(name: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor) -
             plain_step(model, opt), opt, lambda: torch_state_bytes(model, opt), lambda: 0.0
         )
 
-    if name in ("ddp", "zero", "fsdp"):
-        engine = build_engine(model, name, optimizer=adamw)
+    if name in ("ddp", "zero", "fsdp", "zero_hybrid", "fsdp_hybrid"):
+        mode, options = name.removesuffix("_hybrid"), {}
+        if name.endswith("_hybrid"):
+            options["shard_group_size"] = s
+        engine = build_engine(model, mode, optimizer=adamw, **options)
 
         def step() -> None:
             engine.backward(F.cross_entropy(engine(x), y))
@@ -200,23 +229,34 @@ def build(name: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor) -
             plain_step(ddp, opt), opt, lambda: torch_state_bytes(model, opt, buckets), lambda: ring
         )
 
-    if name in ("fsdp2", "fsdp2_keep"):
+    if name in ("fsdp2", "fsdp2_keep", "fsdp2_hsdp", "fsdp2_hsdp_keep"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        reshard = name == "fsdp2"
+        reshard = not name.endswith("_keep")
+        g = s if "hsdp" in name else p  # ranks sharding one copy
+        mesh = init_device_mesh("cpu", (p // g, g), mesh_dim_names=("replicate", "shard"))
+        if g == p:
+            mesh = mesh["shard"]  # plain FSDP: a 1-D mesh
         units = [u.module for u in plan_units(model)[1:]]  # the units mode=fsdp would make
         unit_numel = [sum(t.numel() for t in m.parameters()) for m in units]
         for m in units:
-            fully_shard(m, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         opt = adamw(model.parameters())
-        root_numel = psi - sum(unit_numel)
         # AllGather per unit forward (+ per non-root unit backward when resharding),
-        # ReduceScatter per unit: each moves (P-1)/P of the unit's bytes per rank.
+        # ReduceScatter per unit: each moves (g-1)/g of the unit's bytes per rank; HSDP
+        # then AllReduces each unit's 1/g slice over the p/g replicas.
         gathered = psi + (sum(unit_numel) if reshard else 0)
-        ring = (p - 1) / p * 4 * (gathered + sum(unit_numel) + root_numel)
+        r = p // g
+        across = 2 * (r - 1) / r * 4 * psi / g
+        ring = (g - 1) / g * 4 * (gathered + psi) + across
         return Built(
-            plain_step(model, opt), opt, lambda: torch_state_bytes(model, opt), lambda: ring
+            plain_step(model, opt),
+            opt,
+            lambda: torch_state_bytes(model, opt),
+            lambda: ring,
+            across_per_step=across,
         )
 
     raise ValueError(name)
@@ -226,8 +266,9 @@ def build(name: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor) -
 # Measuring
 
 
-def timed_steps(b: Built, warmup: int, steps: int) -> tuple[list[float], float]:
-    """Per-step seconds (slowest rank per step) and bytes sent per step."""
+def timed_steps(b: Built, warmup: int, steps: int) -> tuple[list[float], float, float]:
+    """Per-step seconds (slowest rank per step), bytes sent per step and, of those, the
+    bytes sent between shard groups."""
     for _ in range(warmup):
         b.step()
     comm.barrier().wait()
@@ -238,12 +279,13 @@ def timed_steps(b: Built, warmup: int, steps: int) -> tuple[list[float], float]:
         b.step()
         times[i] = time.perf_counter() - t0
     sent = sum(comm.stats.bytes_sent.values()) / steps
+    across = comm.stats.bytes_across / steps
     if b.bytes_per_step is not None:
-        sent = b.bytes_per_step()
+        sent, across = b.bytes_per_step(), b.across_per_step
     p = comm.world_size()
     every = torch.empty(p * steps, dtype=torch.float64)  # (P*steps,): rank r's at [r*steps:]
     comm.all_gather(every, times).wait()
-    return every.view(p, steps).amax(0).tolist(), sent
+    return every.view(p, steps).amax(0).tolist(), sent, across
 
 
 def heap_bytes() -> int:
@@ -253,11 +295,13 @@ def heap_bytes() -> int:
     return heap.heap_bytes()
 
 
-def memory_of(name: str, width: int, depth: int, x, y, warmup: int = 2) -> dict[str, float]:
+def memory_of(
+    name: str, width: int, depth: int, x, y, s: int = 0, warmup: int = 2
+) -> dict[str, float]:
     """Build `name`, step it; live model state and peak heap bytes above the baseline."""
     gc.collect()
     base = heap_bytes()  # before the model exists
-    b = build(name, width, depth, x, y)
+    b = build(name, width, depth, x, y, s)
     snap: dict[str, int] = {}
     state = b.state
     b.optimizer.register_step_post_hook(lambda *_: snap.__setitem__("state", state()))
@@ -294,19 +338,23 @@ def run(args: argparse.Namespace) -> dict:
     times: dict[str, list[float]] = {n: [] for n in names}
     rounds: list[dict[str, float]] = []
     sent: dict[str, float] = {}
+    across: dict[str, float] = {}
     mem: dict[str, dict[str, float]] = {}
+    s = args.shard_group_size
+    if s and env.world_size % s:
+        raise SystemExit(f"--shard-group-size {s} must divide the world size {env.world_size}")
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         medians = {}
         for n in order:
             gc.collect()
-            b = build(n, args.width, args.depth, x, y)
-            ts, sent[n] = timed_steps(b, args.warmup, args.steps)
+            b = build(n, args.width, args.depth, x, y, s)
+            ts, sent[n], across[n] = timed_steps(b, args.warmup, args.steps)
             del b
             times[n] += ts
             medians[n] = statistics.median(ts)
             if r == 0 and not args.no_memory:
-                mem[n] = max_over_ranks(memory_of(n, args.width, args.depth, x, y))
+                mem[n] = max_over_ranks(memory_of(n, args.width, args.depth, x, y, s))
             if env.is_rank0:
                 print(f"round {r} {n:11s} {1e3 * medians[n]:8.2f} ms", flush=True)
         rounds.append(medians)
@@ -320,11 +368,12 @@ def run(args: argparse.Namespace) -> dict:
             "warmup": args.warmup,
             "rounds": args.rounds,
             "threads": args.threads,
+            "shard_group_size": s or None,
             "psi": psi,
             "torch": torch.__version__,
             "load_average_1min": [load_before, os.getloadavg()[0]],  # before, after timing
         },
-        "rows": rows(names, times, rounds, sent, mem, psi),
+        "rows": rows(names, times, rounds, sent, across, mem, psi),
         "rounds": rounds,
     }
     if args.mem_width and args.mem_depth:
@@ -332,7 +381,7 @@ def run(args: argparse.Namespace) -> dict:
         mpsi = sum(t.numel() for t in make_model(args.mem_width, args.mem_depth).parameters())
         mrows = []
         for n in names:
-            m = max_over_ranks(memory_of(n, args.mem_width, args.mem_depth, mx, my))
+            m = max_over_ranks(memory_of(n, args.mem_width, args.mem_depth, mx, my, s))
             mrows.append({"contender": n, **_mem_fields(m, mpsi)})
             if env.is_rank0:
                 print(f"memory {n:11s} peak {m['peak'] / 16 / mpsi:.3f} x 16Ψ", flush=True)
@@ -357,7 +406,7 @@ def _mem_fields(m: dict[str, float] | None, psi: int) -> dict[str, float | None]
     }
 
 
-def rows(names, times, rounds, sent, mem, psi) -> list[dict]:
+def rows(names, times, rounds, sent, across, mem, psi) -> list[dict]:
     """Ratios of medians over all timed steps, and each round's ratio of its medians (a
     paired figure: both sides of a round ran minutes apart at most)."""
     med = {n: statistics.median(times[n]) for n in names}
@@ -375,6 +424,7 @@ def rows(names, times, rounds, sent, mem, psi) -> list[dict]:
                 "ratio_to_torch_per_round": per_round,
                 "ratio_to_floor": med[n] / floor if floor else None,
                 "bytes_per_step": sent[n],
+                "bytes_across_per_step": across[n],
                 **_mem_fields(mem.get(n), psi),
             }
         )
@@ -400,8 +450,8 @@ def markdown(result: dict) -> str:
         + ".",
         "",
         "| contender | vs | median step ms | / PyTorch | per round | target | / floor | "
-        "state / 16Ψ | peak / 16Ψ | MB sent per step |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "state / 16Ψ | peak / 16Ψ | MB sent per step | of which across groups |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         n, pr = r["contender"], r["ratio_to_torch_per_round"]
@@ -411,7 +461,7 @@ def markdown(result: dict) -> str:
             f"| {r['median_step_ms']:.1f} | {_f(r['ratio_to_torch'], '.2f')} | {spread} "
             f"| {_f(TIME_TARGET.get(n), '.2f')} | {_f(r['ratio_to_floor'], '.2f')} "
             f"| {_f(r['state_16psi'], '.3f')} | {_f(r['peak_16psi'], '.3f')} "
-            f"| {r['bytes_per_step'] / 1e6:.1f} |"
+            f"| {r['bytes_per_step'] / 1e6:.1f} | {r['bytes_across_per_step'] / 1e6:.2f} |"
         )
     if "memory_pass" in result:
         mp = result["memory_pass"]
@@ -442,6 +492,7 @@ def targets(result: dict) -> list[str]:
         if ratio is not None:
             ok = "met" if ratio <= limit else "NOT met"
             out.append(f"- step time `{n}` / `{PAIRS[n]}`: {ratio:.2f} (target <= {limit}): {ok}")
+    out += hybrid_targets(result, by_name)
     mp = result.get("memory_pass")
     if mp and result["config"]["world_size"] == 2:  # the memory targets are stated at P=2
         for r in mp["rows"]:
@@ -452,6 +503,44 @@ def targets(result: dict) -> list[str]:
                     f"- peak memory `{r['contender']}`: {r['peak_16psi']:.3f} x 16Ψ "
                     f"(target <= {limit}): {ok}"
                 )
+    return out
+
+
+def hybrid_targets(result: dict, by_name: dict[str, dict]) -> list[str]:
+    """Hybrid sharding: step time against FSDP2's HSDP no worse than full sharding's
+    against FSDP2; bytes across groups and model state per rank against their formulas
+    (trainer/memory.py: 2(R-1)/R · 4Ψ/S across, fp32 AdamW state 16Ψ/S for fsdp and
+    4Ψ + 12Ψ/S for zero)."""
+    c = result["config"]
+    s, p, psi = c.get("shard_group_size"), c["world_size"], c["psi"]
+    if not s:
+        return []
+    out, r = [], p // s
+    for ours in ("zero_hybrid", "fsdp_hybrid"):
+        row = by_name.get(ours)
+        if row is None:
+            continue
+        full = by_name.get(ours.removesuffix("_hybrid"), {}).get("ratio_to_torch")
+        if row["ratio_to_torch"] is not None and full is not None:
+            ok = "met" if row["ratio_to_torch"] <= full else "NOT met"
+            out.append(
+                f"- step time `{ours}` / `{PAIRS[ours]}`: {row['ratio_to_torch']:.2f} "
+                f"(target <= {full:.2f}, `{ours.removesuffix('_hybrid')}` / its PyTorch "
+                f"pair in this run): {ok}"
+            )
+        formula = 2 * (r - 1) / r * 4 * psi / s
+        extra = row["bytes_across_per_step"] - formula
+        out.append(
+            f"- bytes across groups `{ours}`: {row['bytes_across_per_step']:,.0f} per step; "
+            f"formula 2(R-1)/R · 4Ψ/S = {formula:,.0f} (+{extra:,.0f}: padding to a "
+            "multiple of S and the used-flags)"
+        )
+        if row.get("state_bytes"):
+            want = 16 * psi / s if ours == "fsdp_hybrid" else 4 * psi + 12 * psi / s
+            out.append(
+                f"- model state per rank `{ours}`: {row['state_bytes'] / 2**20:.2f} MiB; "
+                f"formula {want / 2**20:.2f} MiB"
+            )
     return out
 
 

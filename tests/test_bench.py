@@ -1,5 +1,6 @@
 """scripts/bench.py end to end on a tiny model: every contender yields a row of positive
-figures, in the JSON and the markdown table."""
+figures, in the JSON and the markdown table; the hybrid ones with shard groups of one
+rank (two replicas at P = 2)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ def test_bench_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--nproc", "2"]
     cmd += ["--width", "64", "--depth", "2", "--batch-per-rank", "8", "--steps", "2"]
     cmd += ["--warmup", "1", "--rounds", "1", "--out", str(out), "--md", str(md)]
+    cmd += ["--shard-group-size", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     result = json.loads(out.read_text())
     rows = {r["contender"]: r for r in result["rows"]}
-    assert set(rows) == {"floor", "ddp", "torch_ddp", "zero", "fsdp2_keep", "fsdp", "fsdp2"}
+    assert set(rows) == {
+        *("floor", "ddp", "torch_ddp", "zero", "fsdp2_keep", "fsdp", "fsdp2"),
+        *("zero_hybrid", "fsdp2_hsdp_keep", "fsdp_hybrid", "fsdp2_hsdp"),
+    }
     for name, r in rows.items():
         assert r["median_step_ms"] > 0, name
         assert r["ratio_to_floor"] > 0, name
@@ -39,3 +44,10 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert rows["ddp"]["bytes_per_step"] == rows["torch_ddp"]["bytes_per_step"] + flags
     assert abs(rows["zero"]["bytes_per_step"] / rows["fsdp2_keep"]["bytes_per_step"] - 1) < 0.01
     assert "| `zero` | `fsdp2_keep` |" in md.read_text()
+    # S = 1: everything crosses groups, one full gradient AllReduce as ddp's (ours
+    # counted, FSDP2-HSDP's by formula; ours carry the used-flags too)
+    for ours, theirs in {"zero_hybrid": "fsdp2_hsdp_keep", "fsdp_hybrid": "fsdp2_hsdp"}.items():
+        assert rows[ours]["vs"] == theirs
+        assert rows[theirs]["bytes_across_per_step"] == rows["torch_ddp"]["bytes_per_step"]
+        assert rows[ours]["bytes_across_per_step"] == rows["ddp"]["bytes_per_step"]
+    assert "- bytes across groups `fsdp_hybrid`" in md.read_text()
