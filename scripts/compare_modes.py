@@ -2,12 +2,15 @@
 
     python scripts/compare_modes.py                      # 2 and 4 ranks, MLP 1024x4
     python scripts/compare_modes.py --nproc 4 --out runs/cmp model.hidden=2048 optim=sgd
+    python scripts/compare_modes.py --nproc 4 --shard-group-size 2   # + hybrid sharding
     tensorboard --logdir runs/compare                    # CUSTOM SCALARS tab
 
 Each mode runs as `torchrun --standalone --nproc-per-node=P train.py mode=M ...` into
 `<out>/p<P>/<mode>`, one after the other, with the same overrides, its progress shown
-as it runs. Their checkpoints go to a temporary directory, removed after each run
-(`--keep-checkpoints`: under each run directory, as a plain run). Afterwards this script
+as it runs. `--shard-group-size S` adds `zero_hybrid` and `fsdp_hybrid` (zero and fsdp
+with `mode.shard_group_size=S`) at every world size that S divides and exceeds. Their
+checkpoints go to a temporary directory, removed after each run (`--keep-checkpoints`:
+under each run directory, as a plain run). Afterwards this script
 reads each run's `final_metrics.json` (rank 0 writes the last logged figures there),
 prints the headline table and leaves:
 
@@ -54,10 +57,29 @@ DEFAULTS = [
 ]
 
 
+HYBRID = "_hybrid"  # suffix of a mode run with mode.shard_group_size
+
+
+def runs_at(modes: list[str], nproc: int, shard_group_size: int) -> list[str]:
+    """The runs at one world size: the modes, then their hybrid variants where S fits."""
+    hybrid = shard_group_size and nproc % shard_group_size == 0 and shard_group_size < nproc
+    extra = [m + HYBRID for m in ("zero", "fsdp") if m in modes] if hybrid else []
+    return list(modes) + extra
+
+
 def run_mode(
-    mode: str, nproc: int, run_dir: Path, overrides: list[str], ckpt_dir: Path | None
+    mode: str,
+    nproc: int,
+    run_dir: Path,
+    overrides: list[str],
+    ckpt_dir: Path | None,
+    shard_group_size: int = 0,
 ) -> dict:
-    """One training run, its output (progress bar, final line) going to the terminal."""
+    """One training run, its output (progress bar, final line) going to the terminal.
+    `mode` may name a hybrid run (`zero_hybrid`): that mode with `shard_group_size`."""
+    label, mode = mode, mode.removesuffix(HYBRID)
+    if label != mode:
+        overrides = [f"mode.shard_group_size={shard_group_size}", *overrides]
     cmd = [
         sys.executable,
         "-m",
@@ -71,12 +93,12 @@ def run_mode(
         *([f"ckpt.dir={ckpt_dir}"] if ckpt_dir is not None else []),
         *overrides,
     ]
-    print(f"\n== {mode} on {nproc} ranks -> {run_dir}", flush=True)
+    print(f"\n== {label} on {nproc} ranks -> {run_dir}", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT)
     if proc.returncode != 0:
-        sys.exit(f"error: mode={mode} on {nproc} ranks failed (exit {proc.returncode}); see above")
-    print(f"== {mode} on {nproc} ranks: {time.perf_counter() - t0:.1f} s", flush=True)
+        sys.exit(f"error: {label} on {nproc} ranks failed (exit {proc.returncode}); see above")
+    print(f"== {label} on {nproc} ranks: {time.perf_counter() - t0:.1f} s", flush=True)
     return json.loads((run_dir / "final_metrics.json").read_text())
 
 
@@ -96,15 +118,23 @@ def state_mib(f: dict) -> float:
     return f["memory/model_state_MiB/max"]
 
 
+def all_modes(all_results: dict[int, dict[str, dict]]) -> list[str]:
+    """Every run label of any world size, in the order they ran."""
+    return list(dict.fromkeys(m for r in all_results.values() for m in r))
+
+
 def headline(all_results: dict[int, dict[str, dict]]) -> str:
     """Mode x world size: model state MiB per rank, and what it saves against ddp."""
     worlds = sorted(all_results)
-    modes = list(next(iter(all_results.values())))
+    modes = all_modes(all_results)
     head = ["mode"] + [c for p in worlds for c in (f"P={p}: MiB per rank", "saved vs ddp")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mode in modes:
         cells = [f"`{mode}`"]
         for p in worlds:
+            if mode not in all_results[p]:  # a hybrid run where S does not fit
+                cells += ["-", "-"]
+                continue
             f, base = all_results[p][mode], all_results[p].get("ddp")
             mine = state_mib(f)
             if base is None:
@@ -163,12 +193,13 @@ def table(results: dict[str, dict], nproc: int) -> str:
         "after the optimizer step); gap = measured model state minus formula, in bytes. "
         "Peak: on CPU the tensors live at one step's high point (model state at its start "
         "+ heap growth during it), on GPU the CUDA allocator's max allocated. Traffic in MiB "
-        "sent per rank per step, counted by the comm module vs the ring formula.",
+        "sent per rank per step, counted by the comm module vs the ring formula; of it, "
+        "what hybrid runs send between shard groups.",
         "",
         "| mode | params | fp32 masters | grads | optimizer | comm buffers | model state | "
         "gap | model state vs ddp (measured / formula) | fsdp units in flight (expected) | "
-        "peak | sent per step / ring | algbw GB/s | busbw GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak | sent per step / ring | across groups / formula | algbw GB/s | busbw GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, f in results.items():
         ratio = "n/a"
@@ -193,6 +224,7 @@ def table(results: dict[str, dict], nproc: int) -> str:
                     _mib(units) if units else "-",
                     " ".join(_peak(f)),
                     f"{_mib(sent)} / {_mib(f.get('comm/expected_bytes_per_step', 0.0) / MiB)}",
+                    _across(f),
                     f"{f.get('comm/algbw_GBps', 0):.3f}",
                     f"{f.get('comm/busbw_GBps', 0):.3f}",
                 ]
@@ -200,6 +232,15 @@ def table(results: dict[str, dict], nproc: int) -> str:
             + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _across(final: dict) -> str:
+    """MiB sent between shard groups per step, measured / formula; '-' without groups."""
+    want = final.get("comm/expected_bytes_per_step_across_groups", 0.0)
+    if not want:
+        return "-"
+    got = final.get("comm/bytes_per_step/across_groups", 0.0)
+    return f"{_mib(got / MiB)} / {_mib(want / MiB)}"
 
 
 def order_check(results: dict[str, dict]) -> str:
@@ -258,8 +299,10 @@ def write_summary(out: Path, all_results: dict[int, dict[str, dict]], text: str)
 
     per_run_tags = {t for r in all_results.values() for f in r.values() for t in f}
     rows = {
-        mode: {p: summary_scalars(r[mode], r.get("ddp")) for p, r in all_results.items()}
-        for mode in next(iter(all_results.values()))
+        mode: {
+            p: summary_scalars(r[mode], r.get("ddp")) for p, r in all_results.items() if mode in r
+        }
+        for mode in all_modes(all_results)
     }
     summary_tags = {t for by_p in rows.values() for v in by_p.values() for t in v}
     compare = {
@@ -285,6 +328,12 @@ def main() -> None:
     ap.add_argument("--nproc", default="2,4", help="world sizes, comma-separated")
     ap.add_argument("--modes", default=",".join(MODES), help="modes, comma-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "compare")
+    ap.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=0,
+        help="S: also run zero and fsdp with mode.shard_group_size=S (hybrid sharding)",
+    )
     ap.add_argument("--chart", type=Path, help="PNG path (default <out>/memory_chart.png)")
     ap.add_argument(
         "--keep-checkpoints",
@@ -302,12 +351,14 @@ def main() -> None:
     sections = []
     for p in worlds:
         all_results[p] = {}
-        for m in modes:
+        for m in runs_at(modes, p, args.shard_group_size):
             # Nobody resumes these runs: their checkpoints (train.py writes one at the
             # last step) go to a directory removed as soon as the run ends.
             with tempfile.TemporaryDirectory(prefix="compare_ckpt_") as tmp:
                 ckpt = None if args.keep_checkpoints else Path(tmp)
-                all_results[p][m] = run_mode(m, p, out / f"p{p}" / m, args.overrides, ckpt)
+                all_results[p][m] = run_mode(
+                    m, p, out / f"p{p}" / m, args.overrides, ckpt, args.shard_group_size
+                )
         sections.append(table(all_results[p], p) + "\n" + order_check(all_results[p]) + "\n")
     config = " ".join(DEFAULTS + args.overrides)
     head = f"## Model state per rank\n\nOverrides: `{config}`\n\n" + headline(all_results)
