@@ -243,6 +243,15 @@ class Handle:
 #           this needs: every Handle is waited for before its tensors are dropped.
 # Copies into send buffers (a bucket's flat gradient) happen where the gradient is
 # produced, on the compute stream, which the launch-time wait covers.
+# Waits in the middle of backward: zero's bounded buckets and fsdp's unit after unit make
+# the compute stream wait for the oldest ReduceScatter once newer ones are launched, to
+# free its full-size input (allocated on the compute stream) for reuse. FSDP2 does the
+# same (torch 2.14, `FSDPParamGroup.post_backward`: the compute stream waits for the
+# oldest ReduceScatter's event, `reduce_scatter_max_input_buffers` of them kept); with
+# NCCL's AVG that event is the `end` here, there being no finishing step. The results
+# are consumed later: the reduced slices (and their AllReduce across replicas, [Note:
+# hybrid sharding] in comm_groups.py) become the optimizer's gradients only in the
+# end-of-backward callback, as in FSDP2's `finalize_backward`.
 # Timing: a `start` event before the collective and the `end` event after its finishing
 # step, both on the comm stream, bound the time it occupied that stream; busy is the
 # union of those intervals. Exposed time is the compute stream's stall: an event before
