@@ -148,7 +148,7 @@ def _checkpoint_round_trip(env, root: Path) -> dict:
     path = checkpoint.save(root, 2, saver, keep=1)
     saved = saver.full_state_dict()
     train(saver, data[2:])
-    out = {"saved": saved, "continued": saver.full_state_dict(), "resumed": {}}
+    out = {"saved": saved, "continued": saver.full_state_dict(), "resumed": {}, "root": root}
     for mode, s in [("fsdp", None), ("zero", 1), ("fsdp", S)]:
         engine = _engine(mode, 7, shard_group_size=s)
         assert checkpoint.load(path, engine) == 2
@@ -156,6 +156,18 @@ def _checkpoint_round_trip(env, root: Path) -> dict:
         train(engine, data[2:])
         out["resumed"][f"{mode}/{s}"] = (loaded, engine.full_state_dict())
     return out
+
+
+def _unused(env, mode: str, **options) -> dict:
+    """A parameter no rank uses: torch leaves its .grad None, so AdamW neither decays nor
+    moves it ([Note: used flags]); the flags now travel through the AllReduce too."""
+    from trainer.parallel import build_engine
+
+    engine = build_engine(make_model("unused", seed=env.rank), mode, OPTIMIZERS["adamw"], **options)
+    for x, y in batches("unused", 2, BATCH):
+        engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
+        engine.step()
+    return engine.full_state_dict()
 
 
 def _all(env, root: Path) -> dict:
@@ -166,6 +178,8 @@ def _all(env, root: Path) -> dict:
         out[f"{mode}_bf16"] = _ours(env, mode, "bf16", shard_group_size=S)
         out[f"{mode}_figures"] = _one_step_figures(env, mode)
     out["zero_s1"] = _ours(env, "zero", shard_group_size=1)
+    out["unused"] = {m: _unused(env, m, shard_group_size=S) for m in SHARDED}
+    out["unused"]["ddp"] = _unused(env, "ddp")
     out["checkpoint"] = _checkpoint_round_trip(env, root)
     return out
 
@@ -249,6 +263,29 @@ def test_each_rank_holds_its_formula(ranks, mode):
             want = fig["expected"][kind]
             # padding: each buffer rounds up to a multiple of S elements
             assert want <= fig["held"][kind] < want * 1.03 + 1024, kind
+
+
+def test_parameters_no_rank_used_stay_untouched(ranks):
+    init = make_model("unused", seed=0).fc_unused.weight.detach()
+    for r in ranks:
+        for mode in SHARDED:
+            got = r["unused"][mode]
+            assert torch.equal(got["fc_unused.weight"], init), mode  # not decayed
+            assert _max_diff(got, r["unused"]["ddp"]) < 1e-6, mode
+
+
+def _resume_at_two(env, path: Path) -> dict:
+    from trainer import checkpoint
+
+    engine = _engine("fsdp", 3)
+    checkpoint.load(path, engine)
+    return engine.full_state_dict()
+
+
+def test_checkpoint_resumes_at_another_world_size(ranks):
+    [path] = [p for p in ranks[0]["checkpoint"]["root"].glob("step_*")]
+    for got in run_distributed(_resume_at_two, 2, path):
+        assert _max_diff(got, ranks[0]["checkpoint"]["saved"]) == 0
 
 
 def test_checkpoint_resumes_under_another_group_size_or_mode(ranks):
