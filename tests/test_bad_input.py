@@ -32,6 +32,7 @@ CASES = [
     (["mode.reduce_dtype=int8"], 2, 2, "mode.reduce_dtype='int8' is not one of fp32, bf16"),
     (["precision=fp16", "loss_scale.init_scale=0"], None, 2, "loss_scale.init_scale=0 must"),
     (["mode=fsdp", "mode.foo=1"], 2, 2, "Could not override 'mode.foo'"),
+    (["mode=zero", "mode.shard_group_size=3"], 2, 2, "mode.shard_group_size=3 must divide"),
     (["optim.lr=nan"], None, 2, "optim.lr=nan must be a positive number"),
     (["optim.weight_decay=-1"], None, 2, "optim.weight_decay=-1 must be a number >= 0"),
     (["train.steps=1.5"], None, 2, "train.steps=1.5: Value '1.5' of type 'float' could not be"),
