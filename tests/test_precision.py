@@ -218,12 +218,7 @@ def _fp16_against_grad_scaler(env, mode: str, optim: str) -> dict:
     for i, (x, y) in enumerate(batches("gpt", 4, BATCH)):
         inject["now"] = i == 1
         engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
-        grads = []
-        for g in groups:  # this rank's loss-scaled gradient, laid out like g.local
-            flat = torch.zeros(g.local.numel())
-            for p in g.pieces:
-                flat[p.start : p.end] = p.tensor.grad.reshape(-1)
-            grads.append(_whole(env, g, flat))
+        grads = [_whole(env, g, _local_grad(g)) for g in groups]
         local_bad.append(
             any(not torch.isfinite(p.tensor.grad).all() for g in groups for p in g.pieces)
         )
@@ -244,9 +239,79 @@ def _fp16_against_grad_scaler(env, mode: str, optim: str) -> dict:
                 "ref_scale": scaler.get_scale(),
                 "mine": snapshot(ours, engine.optimizer),
                 "ref": snapshot(theirs, ref_opt),
+                # what forward computes with (zero: AllGathered after the step), and the
+                # fp32 masters it comes from
+                "module": {k: v.detach().clone() for k, v in engine.module.named_parameters()},
+                "full": engine.full_state_dict(),
             }
         )
     return {"skips_on_device": engine.skips_on_device, "steps": steps, "local_bad": local_bad}
+
+
+def _fp16_sgd_first_step_skipped(env, mode: str) -> dict:
+    """fp16 SGD with momentum whose first step overflows (rank 1's inf), then two good
+    steps. torch's fused SGD, handed that first skip, would keep uninitialised momentum
+    buffers; ours must behave as if the step never happened: next to it, the same fused
+    SGD over every rank's pieces, stepped only on the good steps with the same gradients
+    unscaled the same way."""
+    engine = build_engine_with(
+        mode,
+        make_model("gpt", seed=env.rank),
+        OPTIMIZERS["sgd"],
+        precision="fp16",
+        loss_scale={"init_scale": 1024.0},
+    )
+    inject = {"now": False}
+    _poison(engine, env, inject)
+    groups = engine.shard_groups()
+    spans = [_spans(env, g) for g in groups]
+    values = [_whole(env, g, g.local.detach()) for g in groups]
+    ref = [
+        nn.Parameter(v[a:b].clone()) for v, sp in zip(values, spans, strict=True) for a, b, _ in sp
+    ]
+    held = [h for sp in spans for _, _, h in sp]
+    ref_opt = OPTIMIZERS["sgd"](ref, fused=True)
+    steps = []
+    for i, (x, y) in enumerate(batches("gpt", 3, BATCH)):
+        inject["now"] = i == 0
+        engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
+        grads = [_whole(env, g, _local_grad(g)) for g in groups]
+        inv = engine.scaler.scale.double().reciprocal().float()
+        found = torch.zeros(1)
+        k = 0
+        for grad, sp in zip(grads, spans, strict=True):
+            for a, b, _ in sp:
+                ref[k].grad = grad[a:b].clone()
+                k += 1
+        torch._amp_foreach_non_finite_check_and_unscale_([t.grad for t in ref], found, inv)
+        stepped = engine.step()
+        if found.item() == 0:
+            ref_opt.step()
+        ours = [p.tensor for g in groups for p in g.pieces]
+        theirs = [t for t, h in zip(ref, held, strict=True) if h]
+        steps.append(
+            {
+                "stepped": bool(stepped),
+                "values": [t.detach().reshape(-1).clone() for t in ours],
+                "ref_values": [t.detach().reshape(-1).clone() for t in theirs],
+                "momentum": [
+                    engine.optimizer.state[t]["momentum_buffer"].reshape(-1).clone() for t in ours
+                ],
+                "ref_momentum": [
+                    ref_opt.state[t]["momentum_buffer"].clone() if ref_opt.state.get(t) else None
+                    for t in theirs
+                ],
+            }
+        )
+    return {"steps": steps}
+
+
+def _local_grad(group) -> torch.Tensor:
+    """This rank's loss-scaled gradient of a shard group, laid out like `group.local`."""
+    flat = torch.zeros(group.local.numel())
+    for p in group.pieces:
+        flat[p.start : p.end] = p.tensor.grad.reshape(-1)
+    return flat
 
 
 def _fsdp2_bf16(env, accum: int = 1) -> dict:
@@ -297,6 +362,7 @@ def _all(env) -> dict:
             "losses": {p: _losses(env, mode, p) for p in ("bf16", "fp16")},
             "fp16": _fp16_injected_inf(env, mode),
             "grad_scaler": {o: _fp16_against_grad_scaler(env, mode, o) for o in ("adamw", "sgd")},
+            "sgd_first_skipped": _fp16_sgd_first_step_skipped(env, mode),
             "frozen": _frozen(env, mode),
         }
     out["fsdp2"] = _fsdp2_bf16(env)
@@ -445,6 +511,9 @@ def test_fp16_overflow_on_one_rank_skips_on_the_device_as_grad_scaler_does(ranks
             assert _same(s["mine"], s["ref"])
         # the skipped step left values, moments and step counts exactly as they were
         assert _same(steps[0]["mine"], steps[1]["mine"])
+        if mode != "fsdp":  # fsdp frees its full parameters between steps
+            for s in steps:  # the fp16 parameters are the masters rounded, skipped or not
+                assert all(torch.equal(v, s["full"][k].half()) for k, v in s["module"].items())
         assert not _same(steps[1]["mine"], steps[2]["mine"])  # and the next one updates
         if optim == "adamw":
             counts = [{st["step"].item() for _, st in s["mine"]} for s in steps]
@@ -461,6 +530,24 @@ def test_fp16_overflow_on_one_rank_skips_on_the_device_as_grad_scaler_does(ranks
             (False, True, False, False),
         ]
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_sgd_whose_first_step_overflows_starts_its_momentum_afresh(ranks, mode):
+    for r in ranks:
+        steps = r[mode]["sgd_first_skipped"]["steps"]
+        assert [s["stepped"] for s in steps] == [False, True, True]
+        first = steps[0]
+        assert _equal(first["values"], first["ref_values"])
+        assert all(m.count_nonzero() == 0 for m in first["momentum"])  # nothing kept
+        assert first["ref_momentum"] == [None] * len(first["values"])  # never stepped
+        for s in steps[1:]:  # then exactly the fused SGD whose first step this is
+            assert _equal(s["values"], s["ref_values"])
+            assert _equal(s["momentum"], s["ref_momentum"])
+
+
+def _equal(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_loss_scaler_grows_after_a_run_of_good_steps():
