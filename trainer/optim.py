@@ -108,12 +108,13 @@ class TakenStepsLR(torch.optim.lr_scheduler.LambdaLR):
     the steps taken since the host last counted them are kept on the device (`_pending`),
     each group's lr is a 0-d device tensor, base_lr × the lambda's value at position
     `last_epoch + _pending`, looked up in a table of the lambda's values at 0..steps that
-    was computed once on the host (in fp64: the same doubles LambdaLR multiplies), and
-    torch's fused optimizers read that tensor in their kernels. Each step thus gets the lr
-    a host-decided skip would have given it: bitwise on CPU, where the kernels read a
-    tensor lr as a double; on CUDA they read it as fp32, so it is rounded to fp32 there.
-    `last_epoch` catches up (one host read) when `state_dict()` is taken, at checkpoints,
-    so a checkpoint holds the steps taken whatever the precision; in between it lags.
+    was computed once on the host (in fp64: the same doubles LambdaLR multiplies; 8 bytes
+    a step on the device), and torch's fused optimizers read that tensor in their
+    kernels. Each step thus gets the lr a host-decided skip would have given it: bitwise
+    on CPU, where the kernels read a tensor lr as a double; on CUDA they read it as fp32,
+    so it is rounded to fp32 there. `state_dict()` adds the pending steps to `last_epoch`
+    (one host read, at checkpoints), so a checkpoint holds the steps taken whatever the
+    precision, and a plain LambdaLR state loads too.
     """
 
     def __init__(
