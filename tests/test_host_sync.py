@@ -1,7 +1,9 @@
-"""No host reads of device values in a steady step of any mode (fp32 and bf16), counted
-two ways: the reads that go through trainer.host, and the aten ops that can only run by
+"""No host reads of device values in a steady step of any mode and precision, counted two
+ways: the reads that go through trainer.host, and the aten ops that can only run by
 reading a value back (`_local_scalar_dense` behind `.item()` and `bool()`, `nonzero`).
-On a GPU each would stall the CPU until the device catches up."""
+On a GPU each would stall the CPU until the device catches up. fp16 decides on the
+device whether to skip a step; only an optimizer that cannot skip by itself makes the
+host read the flag ([Note: dynamic loss scaling] in trainer/precision.py)."""
 
 import functools
 
@@ -42,12 +44,12 @@ def _steady_reads(env, cases) -> dict:
     from trainer.parallel import build_engine
 
     out = {}
-    for name, kind, precision, clip in cases:
+    for name, kind, precision, clip, *optim in cases:  # optim: AdamW's options, if any
         mode = name.split("_")[0]
         engine = build_engine(
             make_model(kind, seed=0),
             mode,
-            functools.partial(torch.optim.AdamW, lr=1e-3),
+            functools.partial(torch.optim.AdamW, lr=1e-3, **dict(*optim)),
             precision=precision,
             **MODES[name],
         )
@@ -66,21 +68,23 @@ def _steady_reads(env, cases) -> dict:
         with host.counting() as reads, _CountSyncingOps(engine.optimizer) as ops:
             for x, y in data[2:]:
                 step(x, y)
-        out[name, kind, precision, clip] = (reads.count, reads.where, ops.ops)
+        out[(name, kind, precision, clip, *optim)] = (reads.count, reads.where, ops.ops)
     return out
 
 
 CASES = [
     (mode, "mlp", precision, clip)
     for mode in MODES
-    for precision in ("fp32", "bf16")
+    for precision in ("fp32", "bf16", "fp16")
     for clip in (False, True)
 ]
+# AdamW with foreach=True has no fused kernel to skip a step: the host decides
+HOST_DECIDED = (("foreach", True),)
 
 
 @pytest.fixture(scope="module")
 def reads():
-    extra = [(mode, "mlp", "fp16", False) for mode in MODES]
+    extra = [(mode, "mlp", "fp16", False, HOST_DECIDED) for mode in MODES]
     extra += [(mode, "unused", "fp32", False) for mode in MODES]
     return run_distributed(_steady_reads, 2, CASES + extra)[0]
 
@@ -93,10 +97,10 @@ def test_no_host_reads_in_a_steady_step(reads, case):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fp16_reads_one_flag_per_step_to_skip_or_step(reads, mode):
-    # Whether to skip the step must be known on the host, as in torch.amp.GradScaler:
-    # one read of the found-inf flag per step (3 steps counted), nothing else.
-    count, where, ops = reads[mode, "mlp", "fp16", False]
+def test_fp16_without_a_fused_optimizer_reads_one_flag_per_step(reads, mode):
+    # The fallback: whether to skip must be known on the host, as torch.amp.GradScaler
+    # reads it for such optimizers: one read of the found-inf flag per step (3 counted).
+    count, where, ops = reads[mode, "mlp", "fp16", False, HOST_DECIDED]
     assert count == 3 and set(where) == {"fp16 found_inf"}
     assert ops == ["_local_scalar_dense"] * 3
 
@@ -111,8 +115,12 @@ def test_a_rank_that_left_a_parameter_unused_reads_the_used_flags(reads, mode):
     assert ops == ["nonzero"] * 3
 
 
-def _train_and_count(env, run_dir: str) -> list[str]:
-    """The trainer's own loop, 12 steps, logging every 4: which host reads it makes."""
+def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
+    """The trainer's own loop, 12 steps, logging every 4: which host reads it makes, in
+    fp32 and in fp16 (whose first steps overflow and are skipped, with a warm-up and
+    cosine schedule that must not advance on them)."""
+    from pathlib import Path
+
     from hydra import compose, initialize_config_dir
     from test_cli import ROOT
 
@@ -128,17 +136,31 @@ def _train_and_count(env, run_dir: str) -> list[str]:
         "ckpt.every=0",
         "train.save_final=false",
     ]
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    # No Hydra run here: the run directory is the test's.
-    trainer_loop.shared_run_dir = lambda env, run_dir=run_dir: __import__("pathlib").Path(run_dir)
-    with host.counting() as reads:
-        trainer_loop._train(cfg, env)
-    return reads.where
+    fp16 = [
+        "precision=fp16",
+        "loss_scale.init_scale=1048576",  # 2^20: overflows until halved far enough
+        "optim.schedule=cosine",
+        "optim.warmup_steps=3",
+    ]
+    out = {}
+    for name, extra in (("fp32", []), ("fp16", fp16)):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=overrides + extra)
+        # No Hydra run here: the run directory is the test's.
+        trainer_loop.shared_run_dir = lambda env, d=Path(run_dir) / name: d
+        with host.counting() as reads:
+            final = trainer_loop._train(cfg, env)
+        out[name] = (reads.where, final)
+    return out
 
 
 def test_the_training_loop_reads_the_device_at_check_steps_only(tmp_path):
     # 12 steps, checks at 4, 8 and 12 (log steps; the last step): the non-finite loss
-    # and SIGTERM agreement is read there and nowhere else.
-    where = run_distributed(_train_and_count, 2, str(tmp_path))[0]
-    assert where == ["check step"] * 3
+    # and SIGTERM agreement is read there and nowhere else. fp16 also reads what its
+    # checkpoint at the end saves (the steps the schedule took, the loss scaler) and its
+    # count of skipped steps for the summary.
+    runs = run_distributed(_train_and_count, 2, str(tmp_path))[0]
+    assert runs["fp32"][0] == ["check step"] * 3
+    where, final = runs["fp16"]
+    assert where == ["check step"] * 3 + ["lr schedule", "loss scaler", "loss scaler"]
+    assert 0 < final["overflow_steps"] < 12  # some steps were skipped, on the device

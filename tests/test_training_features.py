@@ -8,6 +8,7 @@ starting processes is the slow part on a small machine.
 from __future__ import annotations
 
 import functools
+import io
 import sys
 
 import pytest
@@ -398,6 +399,51 @@ def test_schedule_warmup_then_cosine():
     assert f(200) == pytest.approx(0.1)
     constant = lr_lambda("constant", steps=100, warmup_steps=4)
     assert [constant(i) for i in (0, 3, 50)] == [0.25, 1.0, 1.0]
+
+
+def test_schedule_counts_taken_steps_on_the_device_as_the_host_would():
+    # fp16 decides on the device whether a step was taken: the schedule must give every
+    # step the lr a host-decided skip gives it, without reading the flag.
+    from test_host_sync import _CountSyncingOps
+
+    from trainer import host
+    from trainer.optim import lr_scheduler
+
+    def optimizer() -> torch.optim.Optimizer:
+        return torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=0.1, fused=True)
+
+    cfg = {"schedule": "cosine", "warmup_steps": 3, "min_lr_ratio": 0.1}
+    on_host = lr_scheduler(optimizer(), cfg, 10)
+    opt = optimizer()
+    on_device = lr_scheduler(opt, cfg, 10, on_device=True)
+    taken = [False, True, False, True, True, False, True, True, True]
+    used = []
+    with host.counting() as reads, _CountSyncingOps(opt) as ops:
+        for t in taken:
+            used.append(opt.param_groups[0]["lr"])
+            on_host.optimizer.step()  # no gradients: nothing moves; the order torch wants
+            opt.step()
+            on_host.step(t)
+            on_device.step(torch.tensor(t))
+    assert reads.count == 0 and ops.ops == []
+    # the same doubles as LambdaLR's, step by step (the lr a step used is kept as it was)
+    want = [0.1 * on_host.lr_lambdas[0](i) for i in [0, 0, 1, 1, 2, 3, 3, 4, 5]]
+    assert [lr.item() for lr in used] == want
+    assert opt.param_groups[0]["lr"].item() == on_host.get_last_lr()[0]
+    # a checkpoint holds the steps taken, in plain values, whichever side decided
+    state = on_device.state_dict()
+    assert state["last_epoch"] == on_host.last_epoch == sum(taken)
+    assert state["_last_lr"] == on_host.get_last_lr()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    resumed_opt = optimizer()
+    resumed = lr_scheduler(resumed_opt, cfg, 10, on_device=True)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    assert resumed_opt.param_groups[0]["lr"].item() == on_host.get_last_lr()[0]
+    resumed.step(torch.tensor(True))
+    on_host.step(True)
+    assert resumed_opt.param_groups[0]["lr"].item() == on_host.get_last_lr()[0]
 
 
 def _cfg(*overrides: str):

@@ -3,8 +3,10 @@
 On a GPU every such read (`.item()`, `.tolist()`, `nonzero()`) makes the CPU wait until
 the device has computed the value: the CPU stops queueing kernels and communication
 stops overlapping compute. torch DDP and FSDP2 make none in a steady step, and neither
-do the engines here (fp32 and bf16; fp16's skip decision reads one flag, as
-torch.amp.GradScaler does). Reads belong at log intervals, checkpoints and errors.
+do the engines here, in any precision (fp16 decides on the device whether to skip a
+step; only an optimizer that cannot skip by itself makes the host read that flag, see
+[Note: dynamic loss scaling] in precision.py). Reads belong at log intervals,
+checkpoints and errors.
 Going through these functions lets a test count them (`counting()`).
 """
 

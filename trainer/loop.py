@@ -97,7 +97,9 @@ class Run:
     # Objects a checkpoint saves and restores through state_dict(), with the engine and
     # the RNG states.
     resumable: dict[str, Any]
-    lr: float  # the learning rate the last optimizer step used
+    # the learning rate the last optimizer step taken used (a device tensor when fp16
+    # decides on the device whether a step is taken)
+    lr: float | torch.Tensor
     guard: Guard  # non-finite losses and stop requests ([Note: checking the loss ...])
     skipped: int = 0  # steps skipped for a non-finite loss
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
@@ -139,7 +141,9 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         param_options=param_options(cfg.optim),
         **engine_options(cfg),
     )
-    scheduler = lr_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)
+    scheduler = lr_scheduler(
+        engine.optimizer, cfg.optim, cfg.train.steps, on_device=engine.skips_on_device
+    )
 
     writer = Rank0Writer(run_dir, env.is_rank0)
     writer.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
@@ -179,11 +183,12 @@ def train_step(run: Run, step: int) -> None:
         run.guard.note(loss, step)
     clip = cfg.optim.clip_grad_norm
     grad_norm = engine.clip_grad_norm_(clip) if clip else None
-    if engine.step():
-        run.lr = run.scheduler.get_last_lr()[0]  # the lr this step used
-        run.scheduler.step()
-    else:  # fp16 gradients overflowed: no update; the loss scale was lowered
-        grad_norm = None
+    lr = run.scheduler.get_last_lr()[0]  # the lr this step uses
+    # True, or False where fp16 gradients overflowed (no update, the loss scale lowered);
+    # in fp16 a device flag, handed on unread ([Note: dynamic loss scaling])
+    stepped = engine.step()
+    run.scheduler.step(stepped)  # counts taken steps only
+    run.lr = if_taken(stepped, lr, run.lr)
     run.metrics.add(
         loss,
         correct,
@@ -191,7 +196,19 @@ def train_step(run: Run, step: int) -> None:
         time.perf_counter() - t0,
         samples=targets.shape[0],
         grad_norm=grad_norm,
+        stepped=stepped,
     )
+
+
+def if_taken(stepped: bool | torch.Tensor, new: Any, old: Any) -> Any:
+    """`new` where the step was taken, else `old`; on the device for a device flag."""
+    if not isinstance(stepped, torch.Tensor):
+        return new if stepped else old
+
+    def on_device(v: Any) -> torch.Tensor:  # a fill, not a copy from the host
+        return v if isinstance(v, torch.Tensor) else stepped.new_full((), v, dtype=torch.float64)
+
+    return torch.where(stepped, on_device(new), on_device(old))
 
 
 def is_check_step(cfg: DictConfig, step: int) -> bool:
@@ -218,12 +235,12 @@ def check_step(run: Run, step: int) -> bool:
 
 def log_metrics(run: Run, step: int) -> None:
     """Reduce the interval's metrics to rank 0, write them and show them on the bar."""
-    values = run.metrics.reduce()
+    scaler = run.engine.scaler
+    latest = {"train/lr": run.lr}  # device values too: read with the metrics, at once
+    if scaler.enabled:
+        latest.update({"train/loss_scale": scaler.scale, "train/overflow_steps": scaler.skipped})
+    values = run.metrics.reduce(latest)
     if values:  # rank 0, with at least one step that was not skipped
-        values["train/lr"] = run.lr
-        if run.engine.scaler.enabled:
-            values["train/loss_scale"] = run.engine.scaler.scale
-            values["train/overflow_steps"] = run.engine.scaler.skipped
         run.last = values
         run.writer.scalars(values, step)
         run.bar.set_postfix(
@@ -247,7 +264,7 @@ def finish(run: Run) -> dict[str, Any]:
         "mode": cfg.mode.name,
         "world_size": env.world_size,
         "skipped_steps": run.skipped,
-        "overflow_steps": engine.scaler.skipped,
+        "overflow_steps": engine.scaler.total_skipped(),
         "run_dir": str(run_dir),
         **last,
         **run.last_eval,

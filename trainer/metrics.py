@@ -58,9 +58,12 @@ class IntervalMetrics:
         step_time_s: float,
         samples: int | None = None,
         grad_norm: torch.Tensor | None = None,
+        stepped: bool | torch.Tensor = True,
     ):
         """One step: mean `loss` and `correct` count over `predictions` (targets.numel()),
-        from `samples` (targets.shape[0]; default: predictions)."""
+        from `samples` (targets.shape[0]; default: predictions). `stepped` is what
+        `engine.step()` returned: the gradient norm of a skipped step (inf or NaN in fp16)
+        is left out, on the device when the flag is a device tensor."""
         # loss, correct and grad_norm stay tensors until the interval ends: no sync per step.
         self._sums["loss_sum"] = self._sums["loss_sum"] + loss.detach() * predictions
         self._sums["correct"] = self._sums["correct"] + correct.detach()
@@ -68,26 +71,36 @@ class IntervalMetrics:
         self._sums["samples"] += predictions if samples is None else samples
         self._sums["step_time_s"] += step_time_s
         self._sums["steps"] += 1
-        if grad_norm is not None:  # the same on every rank; summed with a count of steps
-            self._sums["grad_norm_sum"] = self._sums["grad_norm_sum"] + grad_norm.detach()
-            self._sums["grad_norm_steps"] += 1
+        if grad_norm is None or stepped is False:
+            return
+        # the same on every rank; summed with a count of steps
+        norm, taken = grad_norm.detach(), 1
+        if isinstance(stepped, torch.Tensor):
+            norm, taken = torch.where(stepped, norm, 0.0), stepped.double()
+        self._sums["grad_norm_sum"] = self._sums["grad_norm_sum"] + norm
+        self._sums["grad_norm_steps"] = self._sums["grad_norm_steps"] + taken
 
-    def reduce(self) -> dict[str, float] | None:
-        """Sum every rank's figures into rank 0; return averages there, None elsewhere."""
+    def reduce(self, latest: dict[str, Any] | None = None) -> dict[str, float] | None:
+        """Sum every rank's figures into rank 0; return averages there, None elsewhere.
+        `latest`: values to report as they are on rank 0 (the lr, the loss scale: floats or
+        device tensors), read in the same transfer."""
         comm.stats.settle()  # CUDA: read the event timings of finished collectives
         self._sums["comm_busy_s"] = comm.stats.busy_s
         self._sums["comm_exposed_s"] = comm.stats.exposed_s
         bytes_per_op = dict(comm.stats.bytes_sent)
         across = comm.stats.bytes_across  # [Note: hybrid sharding] in comm_groups.py
+        latest = latest or {}
+        # Rank 0's own values ride along: the other ranks add zeros to them.
+        own = [v if comm.rank() == 0 else 0.0 for v in latest.values()]
         # Some sums are device tensors (loss, correct, grad norm: no sync per step), the
         # others Python floats; every element goes to the metric device before stacking,
         # since torch.stack refuses a mix of CUDA and CPU tensors.
         packed = torch.stack(
             [
-                torch.as_tensor(self._sums[f], dtype=torch.float64, device=self.device)
-                for f in _FIELDS
+                torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                for v in [self._sums[f] for f in _FIELDS] + own
             ]
-        )  # (len(_FIELDS),)
+        )  # (len(_FIELDS) + len(latest),)
         comm.stats.reset()
         comm.reduce(packed, dst=0, tag="metrics").wait()
         memory = self.memory.gather() if self.memory is not None else {}  # one Gather
@@ -96,7 +109,9 @@ class IntervalMetrics:
         self._sums = dict.fromkeys(_FIELDS, 0.0)
         if comm.rank() != 0:
             return None
-        s = dict(zip(_FIELDS, packed.tolist(), strict=True))
+        values = packed.tolist()
+        s = dict(zip(_FIELDS, values[: len(_FIELDS)], strict=True))
+        rank0 = dict(zip(latest, values[len(_FIELDS) :], strict=True))
         if s["samples"] == 0:  # every step of the interval was skipped
             return {}
         p = comm.world_size()
@@ -111,6 +126,7 @@ class IntervalMetrics:
         }
         if s["grad_norm_steps"]:
             out["train/grad_norm"] = s["grad_norm_sum"] / s["grad_norm_steps"]
+        out.update(rank0)
         if self.flops_per_token and self.peak_flops:
             # achieved model FLOP/s per device over its peak
             achieved = self.flops_per_token * out["perf/tokens_per_s"] / p

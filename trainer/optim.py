@@ -3,7 +3,9 @@ arguments: weight-decay groups, the learning-rate schedule and gradient clipping
 
     optimizer = optimizer_factory(cfg.optim)                 # a callable for build_engine
     engine = build_engine(model, mode, optimizer, param_options=param_options(cfg.optim))
-    scheduler = lr_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)
+    scheduler = lr_scheduler(engine.optimizer, cfg.optim, cfg.train.steps,
+                             on_device=engine.skips_on_device)
+    scheduler.step(engine.step())                            # counts the steps taken
 
 Clipping itself is `engine.clip_grad_norm_` (trainer/parallel/engine.py): only the
 engine knows where its gradients live.
@@ -20,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from trainer import host
 from trainer.errors import ConfigError
 from trainer.parallel.engine import OptimizerFactory, ParamGroupFn
 
@@ -74,14 +77,110 @@ def lr_lambda(
 
 
 def lr_scheduler(
-    optimizer: torch.optim.Optimizer, optim: DictConfig | dict[str, Any], steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR over the engine's optimizer (its shards' groups in zero/fsdp: the lr is
-    per group, so sharding does not change it). Call `.step()` after each optimizer step."""
+    optimizer: torch.optim.Optimizer,
+    optim: DictConfig | dict[str, Any],
+    steps: int,
+    on_device: bool = False,
+) -> TakenStepsLR:
+    """The schedule over the engine's optimizer (its shards' groups in zero/fsdp: the lr
+    is per group, so sharding does not change it). Call `.step(engine.step())` after each
+    step. `on_device`: the engine decides on the device whether a step was taken
+    (`engine.skips_on_device`), so the schedule follows it there."""
     factor = lr_lambda(
         optim.get("schedule", "constant"),
         steps,
         int(optim.get("warmup_steps", 0)),
         float(optim.get("min_lr_ratio", 0.0)),
     )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return TakenStepsLR(optimizer, factor, steps, on_device)
+
+
+class TakenStepsLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose position is the number of optimizer steps taken: `step(taken)`
+    with what `engine.step()` returned advances it only where the step was taken.
+
+    [Note: the schedule counts taken steps]
+    A step skipped for fp16 overflow must not advance the schedule, or the warm-up and
+    the decay would run ahead of the updates. When the host knows (fp32, bf16, and the
+    fp16 fallback of [Note: dynamic loss scaling] in precision.py) `taken` is a bool and
+    this is plain LambdaLR, stepped on taken steps only, with host floats as lrs. When
+    the device decides (`on_device`), `taken` is a 0-d bool tensor and nothing is read:
+    the steps taken since the host last counted them are kept on the device (`_pending`),
+    each group's lr is a 0-d device tensor, base_lr × the lambda's value at position
+    `last_epoch + _pending`, looked up in a table of the lambda's values at 0..steps that
+    was computed once on the host (in fp64: the same doubles LambdaLR multiplies; 8 bytes
+    a step on the device), and torch's fused optimizers read that tensor in their
+    kernels. Each step thus gets the lr a host-decided skip would have given it: bitwise
+    on CPU, where the kernels read a tensor lr as a double; on CUDA they read it as fp32,
+    so it is rounded to fp32 there. `state_dict()` adds the pending steps to `last_epoch`
+    (one host read, at checkpoints), so a checkpoint holds the steps taken whatever the
+    precision, and a plain LambdaLR state loads too.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_lambda: Callable[[int], float],
+        steps: int,
+        on_device: bool = False,
+    ):
+        # steps taken since `last_epoch` was brought up to date; None: lrs on the host
+        self._pending: torch.Tensor | None = None
+        super().__init__(optimizer, lr_lambda)
+        if not on_device:
+            return
+        device = optimizer.param_groups[0]["params"][0].device
+        # CUDA kernels read a tensor lr as fp32; the CPU ones as a double (lr.item()).
+        self._lr_dtype = torch.float32 if device.type == "cuda" else torch.float64
+        values = {id(f): [f(i) for i in range(steps + 1)] for f in self.lr_lambdas}
+        self._table = torch.tensor(
+            [values[id(f)] for f in self.lr_lambdas], dtype=torch.float64, device=device
+        )  # (groups, steps + 1)
+        self._pending = torch.zeros((), dtype=torch.int64, device=device)
+        self._set_lrs()
+
+    def step(self, taken: bool | torch.Tensor = True) -> None:  # type: ignore[override]
+        """Advance by one if the step was taken (`engine.step()`'s return value)."""
+        if self._pending is None:  # lrs on the host
+            if isinstance(taken, torch.Tensor):  # a device flag: read it, counted
+                taken = bool(host.item(taken, "lr schedule"))
+            if taken:
+                super().step()
+            return
+        self._step_count += 1
+        self._pending += taken
+        self._set_lrs()
+
+    def _set_lrs(self) -> None:
+        """Each group's lr at position `last_epoch + _pending`, as fresh device tensors
+        (not written in place: the lr a step used stays what it was)."""
+        last = self._table.shape[1] - 1  # the loop never goes past it; clamped all the same
+        at = (self._pending + self.last_epoch).clamp(0, last).reshape(1)
+        factors = self._table.index_select(1, at).reshape(-1)  # (groups,)
+        self._last_lr = [
+            (factors[i] * base).to(self._lr_dtype) for i, base in enumerate(self.base_lrs)
+        ]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        """LambdaLR's state, `last_epoch` counting every step taken so far."""
+        state = {k: v for k, v in super().state_dict().items() if k not in _DEVICE_KEYS}
+        if self._pending is not None:
+            # Caught up with the device (one read); plain floats, as LambdaLR keeps them.
+            state["last_epoch"] += int(host.item(self._pending, "lr schedule"))
+            state["_last_lr"] = [
+                base * f(state["last_epoch"])
+                for base, f in zip(self.base_lrs, self.lr_lambdas, strict=True)
+            ]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if k not in _DEVICE_KEYS})
+        if self._pending is not None:  # `last_epoch` is the position again
+            self._pending.zero_()
+            self._set_lrs()
+
+
+# What only this process's device schedule holds: never saved, never loaded.
+_DEVICE_KEYS = ("_pending", "_table", "_lr_dtype")

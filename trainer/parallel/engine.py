@@ -3,7 +3,7 @@
     engine = build_engine(model, mode="ddp", optimizer=partial(AdamW, lr=1e-3))
     loss = loss_fn(engine(x), y)
     loss.backward()        # or engine.backward(loss): needed for fp16's loss scaling
-    engine.step()          # False when fp16 loss scaling skipped the step
+    engine.step()          # True; in fp16 a device flag, False where it skipped
 
 Each mode subclasses `Engine` in its own file and decides where gradients live, when
 they are communicated and what the optimizer sees (`_finish_backward`, `_step`). What is
@@ -34,7 +34,13 @@ from trainer import comm, comm_groups, host
 from trainer.errors import ConfigError
 from trainer.parallel import state
 from trainer.parallel.state import ShardGroup
-from trainer.precision import LossScaler, Precision, cast_module
+from trainer.precision import (
+    LossScaler,
+    Precision,
+    can_skip_on_device,
+    cast_module,
+    skipping_if,
+)
 
 # Called with the tensors to step: a list of tensors, or of param-group dicts.
 OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
@@ -95,13 +101,15 @@ class Engine(ABC):
         # [Note: master weights] in trainer/precision.py. Each mode builds its fp32
         # masters from the module's fp32 values, then casts the module.
         self.precision = precision or Precision()
-        self.scaler = scaler or LossScaler(enabled=False)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.scaler = (scaler or LossScaler(enabled=False)).to(device)
         # Ranks may have built the model with different seeds: rank 0's values win.
         broadcast_tensors(list(module.parameters()) + list(module.buffers()))
         self._buffers = [b for b in module.buffers()]
         self._buffers_changed = False  # a training forward ran since the last broadcast
         self._sync = True
-        self._found_inf: bool | None = None  # set when the gradients have been unscaled
+        # fp16: the ranks' agreed found-inf flag, 0-d on the device, once unscaled
+        self._found_inf: torch.Tensor | None = None
         self._in_backward = False  # [Note: end of backward]: the callback is queued
         self._scaling = False  # inside engine.backward(), which scales the loss
         self._frozen: dict[int, torch.Tensor] = {}  # fp32 values of frozen params, if cast
@@ -168,34 +176,50 @@ class Engine(ABC):
         self._found_inf = None  # new gradients: not unscaled yet
         self._finish_backward()
 
-    def step(self) -> bool:
-        """Update the parameters; False when fp16 gradients overflowed on some rank and
-        every rank skipped the step instead ([Note: dynamic loss scaling])."""
-        found_inf = self._unscale()
-        if found_inf:
-            self.zero_grad()
-        else:
+    def step(self) -> bool | torch.Tensor:
+        """Update the parameters. Returns whether it did: True in fp32 and bf16; in fp16 a
+        0-d bool tensor on the device, False where the gradients overflowed on some rank
+        and every rank skipped the step ([Note: dynamic loss scaling]). `if
+        engine.step():` still works, at the cost of a host read in fp16; the training
+        loop hands the flag on instead (lr schedule, metrics)."""
+        if not self.scaler.enabled:
             self._step()
+            return True
+        found_inf = self._unscale()
+        if self.skips_on_device:
+            with skipping_if(self.optimizer, found_inf):
+                self._step()  # the optimizer updates nothing where found_inf is 1
+            stepped = found_inf == 0
+        else:  # the fallback of the note: the host decides, one read per step
+            stepped = host.item(found_inf, "fp16 found_inf") == 0
+            if stepped:
+                self._step()
+            else:
+                self.zero_grad()
         self.scaler.update(found_inf)
         self._found_inf = None
-        return not found_inf
+        return stepped
+
+    @property
+    def skips_on_device(self) -> bool:
+        """fp16 with an optimizer that skips an overflowed step on the device itself: no
+        host read per step ([Note: dynamic loss scaling])."""
+        return self.scaler.enabled and can_skip_on_device(self.optimizer)
 
     @torch.no_grad()
-    def _unscale(self) -> bool:
-        """Divide the gradients by the loss scale (once per step) and say whether any rank
-        holds an inf/NaN among them. Without loss scaling: nothing to do, False."""
+    def _unscale(self) -> torch.Tensor | None:
+        """Divide the gradients by the loss scale (once per step) and return whether any
+        rank holds an inf/NaN among them: a 0-d fp32 flag on the device, 1.0 or 0.0.
+        Without loss scaling: nothing to do, None."""
         if not self.scaler.enabled:
-            return False
+            return None
         if self._found_inf is None:
             grads, _ = self.grad_tensors()
-            inv = 1.0 / self.scaler.scale
-            bad = torch.zeros(1, device=self._device())
-            for g in grads:
-                g.mul_(inv)
-                bad += (~torch.isfinite(g)).any()
+            found = self.scaler.unscale_(grads)  # (1,)
             if self.world_size > 1:  # ranks must agree, else their collectives diverge
-                comm.all_reduce(bad, tag="found_inf", account=False).wait()
-            self._found_inf = host.item(bad, "fp16 found_inf") > 0
+                comm.all_reduce(found, tag="found_inf", account=False).wait()
+                found.clamp_(max=1.0)  # a count of ranks; fused kernels skip on exactly 1
+            self._found_inf = found.reshape(())
         return self._found_inf
 
     def _device(self) -> torch.device:

@@ -111,10 +111,22 @@ def sharded_state(engine: Engine) -> dict[str, Any]:
         "layout": layout,
         "params": params,
         "optim": optim,
-        "optim_hparams": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        # an fp16 run's lr is a device tensor ([Note: the schedule counts taken steps])
+        "optim_hparams": [
+            {
+                k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                for k, v in g.items()
+                if k != "params"
+            }
+            for g in opt.param_groups
+        ],
         # fp32 like the masters, so a checkpoint does not depend on `precision`
         "replicated": {k: engine._whole(module[k]) for k in whole},
     }
+
+
+# Optimizer options that choose an implementation, not the update it computes.
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
 @torch.no_grad()
@@ -141,7 +153,12 @@ def load_sharded_state(engine: Engine, state: dict[str, Any]) -> None:
                     for k, v in entry["per_element"].items()
                 },
             }
-    saved = state["optim_hparams"]
+    # How the optimizer is implemented stays this run's: torch places the step counters
+    # by the loaded groups' `fused` (on the parameters' device, as fused kernels need, or
+    # on the CPU), and an fp16 run is fused where an fp32 one is not.
+    saved = [
+        {k: v for k, v in g.items() if k not in _IMPLEMENTATION} for g in state["optim_hparams"]
+    ]
     same = len(saved) == len(target["param_groups"])
     for i, pg in enumerate(target["param_groups"]):
         # The same grouping: every hyperparameter; another one (a run with weight-decay
