@@ -262,6 +262,7 @@ def finish(run: Run) -> dict[str, Any]:
     final = {
         "step": cfg.train.steps,
         "mode": cfg.mode.name,
+        "shard_group_size": cfg.mode.get("shard_group_size"),
         "world_size": env.world_size,
         "skipped_steps": run.skipped,
         "overflow_steps": engine.scaler.total_skipped(),
@@ -276,7 +277,7 @@ def finish(run: Run) -> dict[str, Any]:
     run.owner.release()
     if env.is_rank0:
         print(
-            f"done: {final['mode']} on {env.world_size} rank(s), step {final['step']}, "
+            f"done: {_mode_label(cfg)} on {env.world_size} rank(s), step {final['step']}, "
             f"loss {last.get('train/loss', float('nan')):.4f}, "
             f"accuracy {last.get('train/accuracy', float('nan')):.3f}, "
             f"{last.get('perf/samples_per_s', 0):.0f} samples/s -> {run_dir}"
@@ -313,8 +314,14 @@ def save_final_model(engine, path: Path, is_rank0: bool) -> None:
         checkpoint.write_file(path, state)  # never a half-written file under the final name
 
 
+def _mode_label(cfg: DictConfig) -> str:
+    """The mode, and its shard groups when hybrid ([Note: hybrid sharding])."""
+    s = cfg.mode.get("shard_group_size")
+    return cfg.mode.name if s is None else f"{cfg.mode.name} (shard groups of {s})"
+
+
 def _run_name(cfg: DictConfig, env: tdist.DistEnv) -> str:
-    return f"{cfg.mode.name} p={env.world_size}"
+    return f"{_mode_label(cfg)} p={env.world_size}"
 
 
 def _choice(group: str, node: DictConfig) -> str:
