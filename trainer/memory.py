@@ -147,6 +147,26 @@ def _engine_class(mode: str) -> Any:
     return ENGINES[mode]
 
 
+def bytes_per_element(
+    mode: str, param_bytes: int, grad_bytes: int, optimizer_state_per_param_bytes: float
+) -> dict[str, float]:
+    """Bytes per parameter element of each model-state kind, before the sharded kinds
+    (the engine's `sharded_kinds`) are divided over the ranks: the rule `expected` and
+    the planning estimate (trainer/estimate/) both apply."""
+    shape = _engine_class(mode)
+    mixed = param_bytes != 4
+    params, master = param_bytes, 4 if mixed else 0
+    if shape.masters_are_params:
+        params, master = 4, 0
+    grads = 4 if "grads" in shape.sharded_kinds else grad_bytes + (4 if grad_bytes != 4 else 0)
+    return {
+        "params": params,
+        "master": master,
+        "grads": grads,
+        "optimizer": optimizer_state_per_param_bytes,
+    }
+
+
 def expected(
     mode: str,
     numel: int,
@@ -163,20 +183,10 @@ def expected(
     bytes, parameters have fp32 masters. `working_set` adds `unit_bytes`, the full units
     fsdp holds while a step runs. Sharded kinds are split over `shard_group_size` ranks
     (hybrid sharding), all `world_size` by default."""
-    shape = _engine_class(mode)
-    mixed = param_bytes != 4
-    params, master = param_bytes, 4 if mixed else 0
-    if shape.masters_are_params:
-        params, master = 4, 0
-    grads = 4 if "grads" in shape.sharded_kinds else grad_bytes + (4 if grad_bytes != 4 else 0)
-    full = {
-        "params": numel * params,
-        "master": numel * master,
-        "grads": numel * grads,
-        "optimizer": numel * optimizer_state_per_param_bytes,
-    }
+    per = bytes_per_element(mode, param_bytes, grad_bytes, optimizer_state_per_param_bytes)
+    sharded = _engine_class(mode).sharded_kinds
     split = shard_group_size or world_size
-    out = {k: v / split if k in shape.sharded_kinds else float(v) for k, v in full.items()}
+    out = {k: numel * v / (split if k in sharded else 1) for k, v in per.items()}
     out["model_state"] = out["params"] + out["master"] + out["grads"] + out["optimizer"]
     out["working_set"] = out["model_state"] + unit_bytes
     return out
