@@ -1,0 +1,118 @@
+"""Will it fit, and how fast? Memory per rank, traffic and step time of every mode for a
+model and a cluster, before launching anything (the model is never allocated).
+
+    python scripts/estimate.py model=gpt model.n_layer=48 model.n_embd=1600 precision=bf16
+    python scripts/estimate.py --world-size 16 --shard-group-size 8 model=gpt ...
+    python scripts/estimate.py --params 7.5e9 --world-size 64 precision=bf16 mode.reduce_dtype=bf16
+    python scripts/estimate.py --json ...
+
+Arguments without dashes are train.py's Hydra overrides (`mode=zero` estimates that mode
+only); the options describe the cluster. Defaults: one node of 8 H100 80 GB (NVLink,
+one 400 Gb/s InfiniBand NIC per GPU). How each figure is computed: trainer/estimate/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.cli import check_group_choices, fail  # noqa: E402
+from trainer.errors import ConfigError  # noqa: E402
+from trainer.estimate import Cluster, compose_modes, estimate  # noqa: E402
+from trainer.estimate.report import table, to_json  # noqa: E402
+from trainer.estimate.run import peak_flops  # noqa: E402
+from trainer.precision import Precision  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    parser.add_argument("--world-size", type=int, default=8, help="ranks P (default 8)")
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (8)")
+    parser.add_argument(
+        "--shard-group-size", type=int, help="S for zero and fsdp: shard within groups of S ranks"
+    )
+    parser.add_argument(
+        "--params",
+        type=float,
+        help="a bare parameter count instead of the model (7.5e9): model states and traffic only",
+    )
+    parser.add_argument("--device-gb", type=float, default=80.0, help="memory per device, GB (80)")
+    parser.add_argument(
+        "--intra-gbps",
+        type=float,
+        default=450.0,
+        help="GB/s (bytes) a rank sends inside its node (450: NVLink 4, one way)",
+    )
+    parser.add_argument(
+        "--inter-gbps",
+        type=float,
+        default=50.0,
+        help="GB/s (bytes) a rank sends to other nodes (50: one 400 Gb/s NIC per GPU)",
+    )
+    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (0.4)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="peak TFLOP/s of one device in the compute dtype (H100 SXM: 989 bf16, 67 fp32)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_intermixed_args(argv)
+    check_group_choices(args.overrides)
+    try:
+        cluster = _cluster(args)
+        cfgs = compose_modes(args.overrides, args.world_size)
+        result = estimate(cfgs, cluster, args.device_gb * 1e9, args.shard_group_size, args.params)
+    except ConfigError as e:
+        fail(str(e))
+    if args.json:
+        print(to_json(result))
+    else:
+        print(table(result, _header(args, cluster, cfgs, result)))
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    for name in ("world_size", "ranks_per_node"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    for name in ("device_gb", "intra_gbps", "inter_gbps", "peak_tflops"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be > 0")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu {args.mfu} must be in (0, 1]")
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+    return Cluster(
+        args.world_size, args.ranks_per_node, args.intra_gbps * 1e9, args.inter_gbps * 1e9,
+        peak, args.mfu,
+    )  # fmt: skip
+
+
+def _header(args: argparse.Namespace, cluster: Cluster, cfgs: dict, result: dict) -> list[str]:
+    cfg = next(iter(cfgs.values()))
+    fig = next(iter(result.values()))
+    what = f"{fig['params']:,} parameters"
+    if "micro_batch" in fig:
+        what = (
+            f"{cfg.model._target_.rsplit('.', 1)[-1]}, {what}; micro-batch {fig['micro_batch']}"
+            f" (batch {cfg.train.batch_size} / {args.world_size} ranks / "
+            f"{fig['grad_accum_steps']} accumulation steps)"
+        )
+    dtypes = f"precision {cfg.precision}, reduce {cfg.mode.get('reduce_dtype', 'fp32')}"
+    nodes = -(-args.world_size // args.ranks_per_node)
+    peak = peak_flops(cluster, Precision.of(cfg.precision)) / 1e12
+    return [
+        f"model: {what}; {dtypes}",
+        f"cluster: {args.world_size} ranks on {nodes} node(s) of {args.ranks_per_node}; "
+        f"{args.intra_gbps:g} GB/s in node, {args.inter_gbps:g} GB/s across; "
+        f"{peak:g} TFLOP/s peak x MFU {args.mfu:g}",
+    ]
+
+
+if __name__ == "__main__":
+    main()

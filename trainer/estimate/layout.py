@@ -1,0 +1,222 @@
+"""What each rank of each mode holds, counted on a model built on the meta device (no
+memory, so a 70B model costs nothing).
+
+The flat buffers are laid out by the functions the engines call: `flat.bucketize` and
+`FlatLayout` (padding) for ddp's and zero's buckets, `units.plan_units` for fsdp's units,
+`engine.split_by_options` for weight-decay groups, `pieces.cut` for what the optimizer
+steps on each rank. The bytes per element of each kind come from `memory.bytes_per_element`,
+the rule memory.py checks runs against. The result is the figure `memory.measure` reads
+from a live run right after an optimizer step, to the byte (tests/test_estimate.py):
+padding, the used-flags riding on the last collective ([Note: used flags]) and the
+optimizer's per-tensor state (AdamW's 0-d `step`) included.
+
+[Note: estimating hybrid sharding]
+With `mode.shard_group_size` S (zero and fsdp), flat buffers are cut over the S ranks of
+a group instead of all P: sharded kinds are divided by S and a rank's slice is the one
+of its rank inside the group. This follows the layout the mode's design describes; the
+figures are not yet checked against a hybrid run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.flat import FlatLayout, bucketize
+from trainer.memory import bytes_per_element, optimizer_bytes_per_param
+from trainer.parallel import ENGINES, pieces
+from trainer.parallel.engine import OptimizerFactory, ParamGroupFn, split_by_options
+from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
+from trainer.parallel.zero import _MAX_IN_FLIGHT
+from trainer.precision import Precision
+
+KINDS = ("params", "master", "grads", "optimizer")
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What the optimizer keeps: bytes per parameter element, and per tensor it steps."""
+
+    per_element: float  # AdamW: 8 (two fp32 moments); SGD with momentum: 4
+    per_tensor: int  # AdamW: 4 (its 0-d fp32 `step`)
+
+
+def optimizer_state(factory: OptimizerFactory) -> OptimizerState:
+    """Step the configured optimizer once on a small real parameter and read its state."""
+    probe = nn.Parameter(torch.zeros(16))
+    probe.grad = torch.zeros(16)
+    opt = factory([probe])
+    opt.step()
+    k = optimizer_bytes_per_param(opt) or 0.0
+    total = sum(
+        v.numel() * v.element_size() for v in opt.state[probe].values() if torch.is_tensor(v)
+    )
+    return OptimizerState(k, int(total - k * probe.numel()))
+
+
+@dataclass
+class Flat:
+    """One flat buffer of a mode: a bucket (ddp, zero) or a unit's buffer (fsdp)."""
+
+    names: list[str]
+    layout: FlatLayout
+    extra: int = 0  # used-flags carried by its collective ([Note: used flags])
+    unit: int = -1  # fsdp: index of its unit in `plan_units` order (0: the root)
+
+    @property
+    def root(self) -> bool:  # fsdp: gathered once per forward, kept through backward
+        return self.unit == 0
+
+
+@dataclass
+class Plan:
+    """The flat buffers of one mode, in the order the engine builds them."""
+
+    mode: str
+    flats: list[Flat]
+    shard: int  # S: the ranks each flat buffer is cut over (1 in ddp)
+    psi: int  # Ψ, trainable parameter elements
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sharded(self) -> bool:
+        return ENGINES[self.mode].shards_parameters
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    named = list(model.named_parameters())
+    frozen = [n for n, p in named if not p.requires_grad]
+    if frozen:  # the engines keep them whole beside the rest; not counted here
+        raise ConfigError(f"the estimate counts trainable parameters only; frozen: {frozen[:3]}")
+    return named
+
+
+def plan(
+    mode: str,
+    model: nn.Module,
+    options: dict[str, Any],
+    param_options: ParamGroupFn | None,
+    shard: int,
+) -> Plan:
+    """Lay out `model` (fp32, on meta) as `mode`'s engine would, over groups of `shard`."""
+    named = trainable(model)
+    bucket = int(options.get("bucket_mb", 25.0) * 2**20)
+    if mode == "ddp":
+        buckets = bucketize([p for _, p in named], bucket)
+        flats = [_flat(named, ps, 1) for ps in buckets]
+        shard = 1
+    elif mode == "zero":
+        flats = [
+            _flat(named, ps, shard)
+            for _, pairs in split_by_options(named, param_options)
+            for ps in bucketize([p for _, p in pairs], bucket)
+        ]
+    elif mode == "fsdp":
+        classes = options.get("unit_classes")
+        units = plan_units(
+            model,
+            DEFAULT_UNIT_CLASSES if classes is None else tuple(classes),
+            options.get("min_unit_params", 100_000),
+            options.get("repeated_children", True),
+        )
+        flats = [
+            Flat([n for n, _ in pairs], FlatLayout.of([p for _, p in pairs], shard), unit=i)
+            for i, u in enumerate(units)
+            for _, pairs in split_by_options(u.params, param_options)
+        ]
+    else:
+        raise ValueError(mode)
+    carrier = flats[0] if mode == "fsdp" else flats[-1]  # fsdp: the root's first buffer
+    if mode != "fsdp" or carrier.root:
+        carrier.extra = len(named)
+    return Plan(mode, flats, shard, sum(p.numel() for _, p in named), options)
+
+
+def _flat(named: list[tuple[str, nn.Parameter]], ps: list[nn.Parameter], shard: int) -> Flat:
+    names = {id(p): n for n, p in named}
+    return Flat([names[id(p)] for p in ps], FlatLayout.of(ps, shard))
+
+
+def bare(mode: str, psi: int, shard: int, options: dict[str, Any]) -> Plan:
+    """A bare parameter count: one flat buffer of Ψ elements, no used-flags; in fsdp a
+    unit like any other (gathered before forward and before backward)."""
+    shard = 1 if mode == "ddp" else shard
+    padded = -(-psi // shard) * shard
+    layout = FlatLayout((torch.Size([psi]),), (0,), psi, padded)
+    return Plan(mode, [Flat(["<all>"], layout)], shard, psi, options)
+
+
+def model_state(
+    p: Plan, precision: Precision, opt: OptimizerState, rank: int = 0
+) -> dict[str, int]:
+    """Bytes of each model-state kind on `rank`, as `memory.measure` counts them after an
+    optimizer step (before the gradients are dropped)."""
+    b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    per = bytes_per_element(p.mode, b, r, opt.per_element)
+    sharded = ENGINES[p.mode].sharded_kinds
+    out = dict.fromkeys(KINDS, 0)
+    for f in p.flats:
+        lay = f.layout
+        s = lay.shard_size(p.shard)
+        for kind in ("params", "master", "grads"):
+            out[kind] += int((s if kind in sharded else lay.padded_numel) * per[kind])
+        # The flags: in ddp's last bucket, in the reduce dtype. In zero and fsdp the
+        # reduced output keeps them after the shard's gradient elements; that gradient is
+        # a view of it when it is fp32 already, else an fp32 copy without them.
+        if p.mode == "ddp":
+            out["grads"] += f.extra * r
+        elif r == 4:
+            out["grads"] += f.extra * 4
+        out["optimizer"] += _optimizer_bytes(p, f, opt, rank % p.shard)
+    return out
+
+
+def _optimizer_bytes(p: Plan, f: Flat, opt: OptimizerState, group_rank: int) -> int:
+    lay = f.layout
+    if not p.sharded:  # one tensor per parameter
+        sizes = [s.numel() for s in lay.shapes]
+    else:  # the pieces of this rank's slice (padding is in none)
+        s = lay.shard_size(p.shard)
+        shard = torch.empty(s, device="meta")
+        cut = pieces.cut(f.names, range(len(f.names)), lay, shard, group_rank)
+        sizes = [c.end - c.start for c in cut]
+    if opt.per_element == 0:
+        return 0
+    return int(sum(n * opt.per_element + opt.per_tensor for n in sizes))
+
+
+def max_model_state(p: Plan, precision: Precision, opt: OptimizerState) -> dict[str, int]:
+    """The rank holding the most (ranks differ by a few optimizer step counters)."""
+    ranks = [model_state(p, precision, opt, r) for r in range(p.shard)]
+    return max(ranks, key=lambda d: sum(d.values()))
+
+
+def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
+    """Bytes a step holds beyond the model state and the activations, at their peak.
+
+    ddp: none (its buckets are the gradients). zero: the flat gradient inputs of the
+    ReduceScatters in flight, at most `_MAX_IN_FLIGHT` + 1 buckets ([Note: bounded
+    buckets]), each (S, shard + flags) in the reduce dtype, and their outputs where these
+    are not the fp32 shard gradients already. fsdp: the engine's `working_set_bytes()`:
+    full parameters and gradients of the root unit and of the two largest other units.
+    With several micro-batches, zero and fsdp also keep every full gradient in the
+    reduce dtype between them (`no_sync`). Backend receive buffers are not counted: NCCL
+    keeps its own, and Gloo's p2p path needs none at P = 2 ([Note: p2p collectives on
+    Gloo])."""
+    b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    accumulated = p.psi * r if micro_batches > 1 and p.mode != "ddp" else 0
+    if p.mode == "zero":
+        out = (0 if r == 4 else 1) * r  # an output apart from the fp32 shard gradient
+        rows = [(p.shard * r + out) * (f.layout.shard_size(p.shard) + f.extra) for f in p.flats]
+        return accumulated + sum(sorted(rows, reverse=True)[: _MAX_IN_FLIGHT + 1])
+    if p.mode == "fsdp":
+        per_unit: dict[int, int] = {}
+        for f in p.flats:
+            per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (b + r)
+        root = per_unit.pop(0, 0)
+        return accumulated + root + sum(sorted(per_unit.values(), reverse=True)[:2])
+    return 0

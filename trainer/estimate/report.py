@@ -1,0 +1,76 @@
+"""The estimate as a short table for people, or as JSON for programs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))  # decimal, as devices are sold
+
+
+def to_json(result: dict[str, dict[str, Any]]) -> str:
+    return json.dumps(result, indent=2)
+
+
+def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
+    """One row per mode (and one per mode with activation checkpointing switched, when
+    the model has the option): memory per rank, bytes sent per rank and step, seconds."""
+    figs = list(result.values())
+    full = "activation_bytes" in figs[0]
+    mem_name, mem = _unit(max(f.get("total_bytes", f["model_state_bytes_per_rank"]) for f in figs))
+    sent = [_sent(f) for f in figs]
+    net_name, net = _unit(max(max(s) for s in sent))
+    cols = ["mode", "params", "master", "grads", "optim", "state"]
+    if full:
+        cols += ["working", "activ.", "total"]
+    cols += [f"fits {figs[0]['device_bytes'] / 1e9:g} GB"]
+    if full:
+        cols += ["max micro"]
+    cols += ["sent in node", "across nodes"]
+    if full:
+        cols += ["step s"]
+    rows = [cols]
+    for (mode, f), (inside, across) in zip(result.items(), sent, strict=True):
+        state = [f["model_state_by_kind"][k] for k in ("params", "master", "grads", "optimizer")]
+        state.append(f["model_state_bytes_per_rank"])
+        variants = [(_name(mode, f), f)]
+        if "alternative" in f:
+            on = f["alternative"]["activation_checkpointing"]
+            variants.append((f"{mode} {'+' if on else '-'}ckpt", f["alternative"]))
+        for name, v in variants:
+            row = [name] + [f"{n / mem:.2f}" for n in state]
+            if full:
+                row += [f"{n / mem:.2f}" for n in (f["working_set_bytes"], v["activation_bytes"])]
+                row.append(f"{v['total_bytes'] / mem:.2f}")
+            row.append("yes" if v["fits"] else "no")
+            if full:
+                row.append("-" if v["max_micro_batch"] is None else str(v["max_micro_batch"]))
+            row += [f"{inside / net:.2f}", f"{across / net:.2f}"]
+            if full:
+                row.append(f"{v['step_s']:.3g}")
+            rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = [*header, f"memory per rank in {mem_name}, bytes sent per rank and step in {net_name}"]
+    for r in rows:
+        cells = [
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    if any("alternative" in f for f in figs):
+        lines.append("+ckpt / -ckpt: the same with model.activation_checkpointing switched")
+    return "\n".join(lines)
+
+
+def _sent(f: dict[str, Any]) -> tuple[float, float]:
+    traffic = f["traffic_bytes_per_step"].values()
+    return sum(t["inside_node"] for t in traffic), sum(t["across_nodes"] for t in traffic)
+
+
+def _unit(largest: float) -> tuple[str, float]:
+    return next((name, size) for name, size in UNITS if largest >= size or size == 1)
+
+
+def _name(mode: str, f: dict[str, Any]) -> str:
+    s = f.get("shard_group_size")
+    return f"{mode} S={s}" if s is not None and s < f["world_size"] else mode

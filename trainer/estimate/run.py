@@ -1,0 +1,210 @@
+"""The estimate of one run, per mode: model state, working set, activations, traffic and
+step time, against a device's memory. The pieces are in layout.py (model state, working
+set), activations.py and traffic.py; report.py prints the result."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from trainer.config import engine_options
+from trainer.errors import ConfigError
+from trainer.estimate import layout
+from trainer.estimate.activations import Activations, measure_passes
+from trainer.estimate.traffic import Cluster, collectives, split, step_time
+from trainer.metrics import PEAK_FLOPS
+from trainer.optim import optimizer_factory, param_options
+from trainer.precision import Precision
+
+# The node the defaults describe: 8 H100 SXM GPUs per node on NVLink (450 GB/s each way
+# per GPU), one 400 Gb/s InfiniBand NIC per GPU (50 GB/s), 80 GB each.
+DEFAULT_GPU = "H100"
+
+
+def estimate(
+    cfgs: dict[str, DictConfig],
+    cluster: Cluster,
+    device_bytes: float,
+    shard_group_size: int | None = None,
+    params: float | None = None,
+    alternative: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """{mode: figures} for each composed config (one per mode, compose.py). `params`
+    gives a bare parameter count instead of the model: model state and traffic only.
+    `alternative`: also with `model.activation_checkpointing` switched, where the model
+    has the option (figures under "alternative")."""
+    first = next(iter(cfgs.values()))
+    world, k = cluster.world_size, first.train.grad_accum_steps
+    if shard_group_size is not None and set(cfgs) == {"ddp"}:
+        raise ConfigError("a shard group size applies to mode=zero and mode=fsdp, not ddp")
+    micro = first.train.batch_size // (world * k)
+    opt = layout.optimizer_state(optimizer_factory(first.optim))
+    if params is not None:
+        psi = int(params)
+        if psi < 1 or psi != params:
+            raise ConfigError(f"--params {params!r} must be a whole number of parameters >= 1")
+        model = passes = None
+        buffers = 0
+        # A bare count has no tensors: state per element only (no AdamW `step` counters).
+        opt = layout.OptimizerState(opt.per_element, 0)
+    else:
+        model = build_meta(first)
+        passes = _passes(first, micro, alternative)
+        buffers = _buffer_bytes(model, Precision.of(first.precision))
+    out = {}
+    for mode, cfg in cfgs.items():
+        precision = Precision.of(cfg.precision, cfg.mode.get("reduce_dtype", "fp32"))
+        s = shard_size(mode, cfg, world, shard_group_size)
+        if model is None:
+            plan = layout.bare(mode, psi, s, engine_options(cfg))
+        else:
+            plan = mode_plan(cfg, model, s)
+        state = layout.max_model_state(plan, precision, opt)
+        sent = collectives(plan, precision, world, k, buffers)
+        fig: dict[str, Any] = {
+            "params": plan.psi,
+            "world_size": world,
+            "model_state_bytes_per_rank": sum(state.values()),
+            "model_state_by_kind": state,
+            "traffic_bytes_per_step": split(sent, cluster.ranks_per_node),
+            "device_bytes": int(device_bytes),
+        }
+        if mode != "ddp":
+            fig["shard_group_size"] = s
+        if passes is None:  # model states only
+            fig["fits"] = fig["model_state_bytes_per_rank"] <= device_bytes
+        else:
+            fig["working_set_bytes"] = layout.working_set(plan, precision, k)
+            fig["micro_batch"], fig["grad_accum_steps"] = micro, k
+            timing = Cluster(**{**cluster.__dict__, "peak_flops": peak_flops(cluster, precision)})
+            for ac, (one, two) in passes.items():
+                fits = _fit(fig, one, two, micro, device_bytes)
+                fits.update(step_time(plan, sent, timing, one.predictions, k, bool(ac)))
+                if ac is None or ac == bool(first.model.activation_checkpointing):
+                    fig["activation_checkpointing"] = ac
+                    fig.update(fits)
+                else:
+                    fig["alternative"] = {"activation_checkpointing": ac, **fits}
+        out[mode] = fig
+    return out
+
+
+def peak_flops(cluster: Cluster, precision: Precision) -> float:
+    """The cluster's peak FLOP/s, else the default GPU's for the compute dtype."""
+    return cluster.peak_flops or PEAK_FLOPS[DEFAULT_GPU][precision.param_dtype]
+
+
+def mode_plan(cfg: DictConfig, model: torch.nn.Module, shard: int) -> layout.Plan:
+    """The flat buffers of `cfg.mode` for `model` (fp32, on meta), cut over `shard` ranks."""
+    options = engine_options(cfg)
+    return layout.plan(cfg.mode.name, model, options, param_options(cfg.optim), shard)
+
+
+def build_meta(cfg: DictConfig) -> torch.nn.Module:
+    """The configured model on the meta device: shapes only."""
+    with torch.device("meta"):
+        return _build(cfg)
+
+
+def _fit(fig: dict[str, Any], one: Activations, two: Activations, micro: int, device: float):
+    """Total against the device, and the largest micro-batch that fits: activations grow
+    linearly with the micro-batch (measured at `micro` and 2 x `micro`)."""
+    fixed = fig["model_state_bytes_per_rank"] + fig["working_set_bytes"]
+    slope = (two.peak - one.peak) / micro
+    base = one.peak - slope * micro
+    room = device - fixed - base
+    largest = max(0, math.floor(room / slope)) if slope > 0 else None
+    return {
+        "activation_bytes": one.peak,
+        "activation_saved_bytes": one.saved,
+        "total_bytes": fixed + one.peak,
+        "fits": fixed + one.peak <= device,
+        "max_micro_batch": largest,
+    }
+
+
+def shard_size(mode: str, cfg: DictConfig, world: int, flag: int | None) -> int:
+    """S for zero and fsdp: `--shard-group-size`, else `mode.shard_group_size`, else all
+    ranks ([Note: estimating hybrid sharding] in layout.py). ddp shards nothing: 1."""
+    if mode == "ddp":
+        return 1
+    configured = cfg.mode.get("shard_group_size")
+    if flag is not None and configured is not None and flag != configured:
+        raise ConfigError(
+            f"--shard-group-size {flag} differs from mode.shard_group_size={configured}"
+        )
+    s = flag if flag is not None else configured
+    if s is None:
+        return world
+    if not isinstance(s, int) or isinstance(s, bool) or s < 1 or world % s:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ConfigError(
+            f"shard group size {s!r} must divide the world size {world}: one of "
+            f"{', '.join(map(str, divisors[:12]))}{' ...' if len(divisors) > 12 else ''}"
+        )
+    return s
+
+
+def _build(cfg: DictConfig, **kwargs: Any) -> torch.nn.Module:
+    try:
+        return instantiate(cfg.model, **kwargs)
+    except InstantiationException as e:  # a ConfigError raised inside the model
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
+
+
+def sample_of(cfg: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample 0 of the configured dataset, for its shapes (a synthetic one made with n=1)."""
+    dataset = cfg.data.dataset
+    try:
+        data = instantiate(dataset, **({"n": 1} if "n" in dataset else {}))
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):  # files missing: one line from data.py
+            raise e.__cause__ from None
+        raise
+    x, y = data[0]
+    return torch.as_tensor(x), torch.as_tensor(y)
+
+
+def _passes(
+    cfg: DictConfig, micro: int, alternative: bool
+) -> dict[bool | None, tuple[Activations, Activations]]:
+    """Activations at `micro` and 2 x `micro`, as configured and (`alternative`) with
+    activation checkpointing switched, when the model has the option (key None when it
+    has not)."""
+    sample = sample_of(cfg)
+    precision = Precision.of(cfg.precision)
+    settings: list[bool | None] = [None]
+    if "activation_checkpointing" in cfg.model:
+        settings = [bool(cfg.model.activation_checkpointing)]
+        settings += [not settings[0]] if alternative else []
+    out = {}
+    for ac in settings:
+        kwargs = {} if ac is None else {"activation_checkpointing": ac}
+        try:
+            out[ac] = tuple(
+                measure_passes(
+                    partial(_build, cfg, **kwargs), sample, [micro, 2 * micro], precision
+                )
+            )
+        except ConfigError:
+            raise
+        except Exception as e:  # a shape the model cannot take
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"the model does not take the data's samples: {first}") from None
+    return out
+
+
+def _buffer_bytes(model: torch.nn.Module, precision: Precision) -> int:
+    """Bytes of the buffers broadcast before each training forward (floating ones cast)."""
+    return sum(
+        b.numel() * (precision.param_dtype.itemsize if b.is_floating_point() else b.element_size())
+        for b in model.buffers()
+    )

@@ -1,0 +1,167 @@
+"""Bytes each rank sends per step, by collective, inside a node and across nodes; and a
+step time from a simple model of compute and links.
+
+[Note: traffic per rank]
+The ring model trainer/comm.py counts with: for a collective over a group of G ranks on
+a buffer of n bytes (the whole buffer: the input of a ReduceScatter, the output of an
+AllGather) each rank sends `memory.bus_factor(op, G)` x n: 2(G-1)/G for AllReduce,
+(G-1)/G for ReduceScatter and AllGather. Every collective the engines issue in a step is
+listed from the same flat buffers they build (layout.py), flags included, so the figure
+equals `comm.stats` after one step, to the byte:
+  ddp   one AllReduce per bucket (the last carries the used-flags), once per step;
+  zero  one ReduceScatter per bucket, once per step; one AllGather per bucket after the
+        optimizer step;
+  fsdp  per micro-batch, an AllGather of every unit before its forward and again before
+        its backward (once with reshard_after_forward=false), the root unit's once; one
+        ReduceScatter per buffer, once per step.
+  Buffers (BatchNorm statistics) are broadcast from rank 0 before every training forward
+  (rank 0's figure: the others send nothing); waited for at once.
+With hybrid sharding ([Note: estimating hybrid sharding] in layout.py) AllGathers and
+ReduceScatters run over the S ranks of a group and each rank's reduced shard is then
+AllReduced across the R = P/S replicas: 2(R-1)/R x Ψr/S.
+
+Inside a node / across nodes: ranks are numbered node by node (`--ranks-per-node` L).
+A ring over a group spanning N > 1 nodes has N of its G hops between nodes, so on
+average N/G of a rank's bytes leave its node (per node: one ring's worth of the data);
+a group inside one node sends nothing across.
+
+[Note: step time model]
+compute: 6Ψ FLOPs per prediction (2Ψ forward, 4Ψ backward; a prediction is a token of a
+language model, a sample of a classifier: for a CNN, whose weights are applied at every
+pixel, this undercounts, and the time is a lower bound), at `mfu` x `peak` FLOP/s;
+activation checkpointing adds a second forward (2Ψ) to every backward.
+communication: a ring moves at its slowest hop: bytes / inter-node bandwidth when its
+group spans nodes, else bytes / intra-node bandwidth; collectives of a phase add up.
+overlap: communication launched during a pass hides behind that pass's compute, only the
+excess shows: ddp's AllReduce and zero's ReduceScatter behind the last micro-batch's
+backward; zero's AllGather after the optimizer step is not hidden (the next forward
+waits for it); fsdp's forward AllGathers behind each forward, its backward AllGathers
+(and, on the last micro-batch, its ReduceScatters) behind each backward; the cross-group
+AllReduce of hybrid sharding behind the last backward. The optimizer step, the time
+before the first collective can start and kernel launch gaps are not modelled.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from trainer.estimate.layout import Plan
+from trainer.memory import bus_factor
+from trainer.precision import Precision
+
+# Phases a collective runs in, for the overlap model ([Note: step time model]).
+FORWARD, BACKWARD, LAST_BACKWARD = "forward", "backward", "last_backward"
+EXPOSED = "exposed"  # waited for before compute goes on: hidden behind nothing
+
+
+@dataclass(frozen=True)
+class Cluster:
+    world_size: int
+    ranks_per_node: int
+    intra_Bps: float  # bytes/s a rank sends to a rank of its own node
+    inter_Bps: float  # bytes/s a rank sends to another node
+    peak_flops: float  # one device's peak for the compute dtype
+    mfu: float  # fraction of the peak the model FLOPs reach
+
+
+@dataclass
+class Sent:
+    """Bytes one rank sends per step for one collective of one group."""
+
+    op: str
+    nbytes: float
+    group: list[int]  # the ranks of the group rank 0 is in (the busiest: see `_nodes`)
+    phase: str
+
+
+def collectives(
+    p: Plan, precision: Precision, world: int, micro_batches: int, buffer_bytes: int
+) -> list[Sent]:
+    """Every collective rank 0 issues in one step ([Note: traffic per rank])."""
+    b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    s = p.shard
+    shard_group = list(range(s))
+    replicas = list(range(0, world, s))  # the ranks holding the same shard as rank 0
+    out: list[Sent] = []
+    if buffer_bytes and world > 1:
+        for _ in range(micro_batches):
+            out.append(Sent("broadcast", buffer_bytes, list(range(world)), EXPOSED))
+    if p.mode == "ddp":
+        everyone = list(range(world))
+        for f in p.flats:
+            n = (f.layout.numel + f.extra) * r
+            out.append(
+                Sent("all_reduce", bus_factor("all_reduce", world) * n, everyone, LAST_BACKWARD)
+            )
+        return out
+    for f in p.flats:
+        size = f.layout.shard_size(s)
+        rows = s * (size + f.extra) * r  # the ReduceScatter's input, flags included
+        out.append(
+            Sent(
+                "reduce_scatter", bus_factor("reduce_scatter", s) * rows, shard_group, LAST_BACKWARD
+            )
+        )
+        if len(replicas) > 1:
+            ar = bus_factor("all_reduce", len(replicas)) * size * r
+            out.append(Sent("all_reduce", ar, replicas, LAST_BACKWARD))
+        gather = bus_factor("all_gather", s) * f.layout.padded_numel * b
+        if p.mode == "zero":
+            out.append(Sent("all_gather", gather, shard_group, EXPOSED))
+            continue
+        twice = not f.root and p.options.get("reshard_after_forward", True)
+        for _ in range(micro_batches):
+            out.append(Sent("all_gather", gather, shard_group, FORWARD))
+            if twice:
+                out.append(Sent("all_gather", gather, shard_group, BACKWARD))
+    return out
+
+
+def _nodes(group: list[int], ranks_per_node: int) -> int:
+    return len({g // ranks_per_node for g in group})
+
+
+def split(sent: list[Sent], ranks_per_node: int) -> dict[str, dict[str, float]]:
+    """Bytes per step by collective: {op: {"inside_node": ..., "across_nodes": ...}}."""
+    out: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"inside_node": 0.0, "across_nodes": 0.0}
+    )
+    for c in sent:
+        n = _nodes(c.group, ranks_per_node)
+        across = c.nbytes * n / len(c.group) if n > 1 else 0.0
+        out[c.op]["inside_node"] += c.nbytes - across
+        out[c.op]["across_nodes"] += across
+    return dict(out)
+
+
+def seconds(c: Sent, cluster: Cluster) -> float:
+    spans = _nodes(c.group, cluster.ranks_per_node) > 1
+    return c.nbytes / (cluster.inter_Bps if spans else cluster.intra_Bps)
+
+
+def step_time(
+    p: Plan,
+    sent: list[Sent],
+    cluster: Cluster,
+    predictions: int,
+    micro_batches: int,
+    checkpointing: bool,
+) -> dict[str, float]:
+    """Seconds per step ([Note: step time model]); `predictions` per micro-batch."""
+    rate = cluster.mfu * cluster.peak_flops
+    fwd = 2 * p.psi * predictions / rate
+    bwd = (4 + (2 if checkpointing else 0)) * p.psi * predictions / rate
+    comm = defaultdict(float)
+    for c in sent:
+        comm[c.phase] += seconds(c, cluster)
+    k = micro_batches
+    per_fwd, per_bwd = comm[FORWARD] / k, comm[BACKWARD] / k
+    step = (
+        k * max(fwd, per_fwd)
+        + (k - 1) * max(bwd, per_bwd)
+        + max(bwd, per_bwd + comm[LAST_BACKWARD])
+        + comm[EXPOSED]
+    )
+    compute = k * (fwd + bwd)
+    return {"step_s": step, "compute_s": compute, "comm_s": sum(comm.values())}
