@@ -1,0 +1,345 @@
+"""The planning estimate (trainer/estimate/, scripts/estimate.py) against the ZeRO paper's
+figures and against runs: one step of each mode on 1, 2 and 4 real Gloo ranks."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from hydra.utils import instantiate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer.errors import ConfigError
+from trainer.estimate import Cluster, compose_modes, estimate, layout
+from trainer.estimate.run import build_meta, mode_plan
+from trainer.optim import optimizer_factory
+from trainer.precision import Precision
+
+# Models the other tests train, small enough for one step in well under a second, with
+# activations large enough (MBs) for the C heap to measure them.
+GPT = [
+    "model=gpt",
+    "data=tokens",
+    "model.n_layer=4",
+    "model.n_embd=128",
+    "model.n_head=4",
+    "model.block_size=64",
+    "data.dataset.block_size=64",
+    "train.batch_size=16",
+]
+CASES = {
+    # fp32, activation checkpointing; weight-decay groups: zero and fsdp cut biases and
+    # norms into flat buffers of their own
+    "gpt_ckpt": [*GPT, "model.activation_checkpointing=true", "optim.no_decay_bias_norm=true"],
+    # bf16 with fp32 masters, two micro-batches per step
+    "gpt_bf16_accum": [
+        *GPT,
+        "data.dataset.block_size=32",  # bf16 matmuls are slow on CPU: fewer tokens
+        "precision=bf16",
+        "train.grad_accum_steps=2",
+    ],
+    # parameters outweigh activations; several ~1 MB buckets (zero keeps 3 in flight)
+    "mlp": ["model=mlp", "model.hidden=512", "model.depth=4", "train.batch_size=8"],
+}
+CASES["mlp"].append("mode.bucket_mb=1.1")
+RUNS = {1: ["mlp"], 2: ["gpt_ckpt", "gpt_bf16_accum"], 4: ["gpt_ckpt"]}
+DEVICE = 80e9
+
+
+def _script_main():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "estimate.py"
+    spec = importlib.util.spec_from_file_location("estimate_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def cluster(p: int) -> Cluster:
+    return Cluster(p, p, 450e9, 50e9, 989e12, 0.4)
+
+
+# ---------------------------------------------------------------------------------------
+# What a run holds and sends, measured on each rank.
+
+
+class _Sampler(TorchDispatchMode):
+    """Calls `fn` after every tensor op (and wherever `sample` is called); keeps the max."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.peak = fn, 0
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.fn())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.sample()
+        return out
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def _working(engine) -> int:
+    """The buffers a step holds beyond the model state, from the engine's own tensors:
+    fsdp's gathered units, unit gradients and ReduceScatter inputs (what its
+    `working_set_bytes()` describes); zero's bucket inputs. ReduceScatter outputs in fp32
+    are the shard gradients, model state, and not counted here."""
+    fp32_out = engine.precision.reduce_dtype == torch.float32
+    if engine.name == "fsdp":
+        return (
+            sum(_nbytes(f.full) for f in engine._flats())
+            + sum(_nbytes(p.grad) for p in engine.module.parameters())
+            + sum(_nbytes(t) for t in engine._sums.tensors())
+            + sum(
+                _nbytes(rows.rows) + (0 if fp32_out else _nbytes(out))
+                for *_, out, rows in engine._reducing
+            )
+        )
+    if engine.name == "zero":
+        return sum(
+            (_nbytes(b.grad.rows) if b.grad is not None else 0)
+            + (0 if fp32_out else _nbytes(b.reduced))
+            for b in engine.buckets
+        )
+    return 0
+
+
+def _activations(cfg, x, y) -> int:
+    """Heap growth of one forward and backward of the bare model (gradients dropped as
+    they come, as the estimate counts them), after a first pass that warms up the
+    kernels' own buffers."""
+    from trainer import heap
+    from trainer.models import loss_fn
+    from trainer.precision import cast_module
+
+    torch.manual_seed(0)
+    model = instantiate(cfg.model)
+    mp = Precision.of(cfg.precision)
+    if mp.mixed:
+        cast_module(model, mp.param_dtype)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    for _ in range(2):
+        gc.collect()
+        with heap.HeapPeak() as h:
+            (inputs,) = mp.cast_in((x,))
+            loss = loss_fn(mp.cast_out(model(inputs)), y)
+            loss.backward()
+            del loss, inputs
+    return h.growth
+
+
+def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
+    from trainer import comm, memory
+    from trainer.config import engine_options
+    from trainer.loop import forward_backward
+    from trainer.optim import param_options
+    from trainer.parallel import build_engine
+
+    out = []
+    for cfg, with_activations in zip(cfgs, activations, strict=True):
+        n, k = cfg.train.batch_size // env.world_size, cfg.train.grad_accum_steps
+        xs, ys = instantiate(cfg.data.dataset).tensors
+        x, y = xs[env.rank * n : (env.rank + 1) * n], ys[env.rank * n : (env.rank + 1) * n]
+        got = {}
+        if with_activations and env.rank == 0:
+            got["activations"] = _activations(cfg, x[: n // k], y[: n // k])
+        torch.manual_seed(0)
+        model = instantiate(cfg.model)
+        box = []  # the engine, once built
+        sampler = _Sampler(lambda box=box: _working(box[0]))
+        for p in model.parameters():  # before the engine's hooks: sees each new gradient
+            p.register_post_accumulate_grad_hook(lambda p, s=sampler: s.sample())
+        engine = build_engine(
+            model,
+            cfg.mode.name,
+            optimizer_factory(cfg.optim),
+            precision=cfg.precision,
+            param_options=param_options(cfg.optim),
+            **engine_options(cfg),
+        )
+        box.append(engine)
+        # model state right after the optimizer step, as the memory monitor reads it
+        engine.optimizer.register_step_post_hook(
+            lambda *_, got=got, e=engine: got.setdefault("state", memory.measure(e))
+        )
+        comm.stats.reset()
+        with sampler if k == 1 and engine.name != "ddp" else nullcontext():
+            forward_backward(engine, x, y, k)
+        engine.step()
+        got["traffic"] = dict(comm.stats.bytes_sent)
+        got["working"] = sampler.peak
+        out.append(got)
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def runs(request):
+    """(P, [(case, mode, cfg, estimate, [measured on rank r])])."""
+    p = request.param
+    todo = []
+    for case in RUNS[p]:
+        cfgs = compose_modes(CASES[case], p)
+        est = estimate(cfgs, cluster(p), DEVICE, alternative=False)
+        todo += [(case, mode, cfg, est[mode]) for mode, cfg in cfgs.items()]
+    first = [i == 0 or todo[i - 1][0] != t[0] for i, t in enumerate(todo)]
+    measured = run_distributed(_measure, p, [t[2] for t in todo], first)
+    return p, [(*t, [m[i] for m in measured]) for i, t in enumerate(todo)]
+
+
+def test_model_state_is_byte_exact_on_every_rank(runs):
+    p, cases = runs
+    for case, mode, cfg, est, measured in cases:
+        plan = mode_plan(cfg, build_meta(cfg), p)
+        precision = Precision.of(cfg.precision, cfg.mode.reduce_dtype)
+        opt = layout.optimizer_state(optimizer_factory(cfg.optim))
+        for r, got in enumerate(measured):
+            want = layout.model_state(plan, precision, opt, r)
+            assert want == {k: got["state"][k] for k in layout.KINDS}, (case, mode, r)
+        most = max(sum(m["state"][k] for k in layout.KINDS) for m in measured)
+        assert est["model_state_bytes_per_rank"] == most, (case, mode)
+
+
+def test_traffic_is_byte_exact(runs):
+    p, cases = runs
+    for case, mode, _, est, measured in cases:
+        want = {
+            op: t["inside_node"] + t["across_nodes"]
+            for op, t in est["traffic_bytes_per_step"].items()
+        }
+        got = {op: b for op, b in measured[0]["traffic"].items() if b}
+        assert {op: b for op, b in want.items() if b} == got, (case, mode)
+        assert all(t["across_nodes"] == 0 for t in est["traffic_bytes_per_step"].values())
+
+
+def test_activations_within_10pct_of_measured(runs):
+    _, cases = runs
+    seen = 0
+    for case, _, _, est, measured in cases:
+        got = measured[0].get("activations")
+        if got is None:
+            continue
+        seen += 1
+        assert abs(est["activation_bytes"] / got - 1) < 0.10, (case, est["activation_bytes"], got)
+    assert seen == len({c[0] for c in cases})
+
+
+def test_working_set_within_10pct_of_measured(runs):
+    _, cases = runs
+    for case, mode, cfg, est, measured in cases:
+        if cfg.train.grad_accum_steps > 1:  # accumulation adds every gradient: an upper bound
+            continue
+        got, want = max(m["working"] for m in measured), est["working_set_bytes"]
+        if mode == "ddp":  # its buckets are its gradients: model state
+            assert got == want == 0
+            continue
+        assert abs(want / got - 1) < 0.10, (case, mode, want, got)
+
+
+# ---------------------------------------------------------------------------------------
+# Without processes
+
+
+def test_zero_paper_figure_1():
+    """ZeRO (Rajbhandari et al. 2020), Figure 1: Ψ = 7.5B, 64 GPUs, mixed-precision Adam,
+    K = 12 (fp32 master 4 + moments 8): 2Ψ + 2Ψ + KΨ per GPU for the baseline,
+    2Ψ + (2 + K)Ψ/P with optimizer and gradient partitioning, (2 + 2 + K)Ψ/P fully
+    partitioned: 120, 16.6 and 1.9 GB."""
+    psi, p = 7_500_000_000, 64
+    cfgs = compose_modes(["precision=bf16", "mode.reduce_dtype=bf16"], p)
+    got = estimate(cfgs, cluster(p), DEVICE, params=7.5e9)
+    paper = {"ddp": 16 * psi, "zero": 2 * psi + 14 * psi // p, "fsdp": 16 * psi // p}
+    assert [round(v / 1e9, 1) for v in paper.values()] == [120.0, 16.6, 1.9]
+    # Where this project's layout differs ([Note: the expected figures] in memory.py):
+    differs = {
+        # ddp reduces bf16 buckets, then keeps an fp32 copy of them as the masters'
+        # gradients: 4Ψ more (30 GB)
+        "ddp": 4 * psi,
+        # zero keeps its gradient shard in fp32 beside the masters, not in bf16: 2Ψ/P
+        # more (0.23 GB)
+        "zero": 2 * psi // p,
+        # fsdp's fp32 shards are both params and masters, its gradient shard is fp32:
+        # 4 + 4 + 8 = 2 + 2 + 12 bytes per element, the same total
+        "fsdp": 0,
+    }
+    for mode in paper:
+        assert got[mode]["model_state_bytes_per_rank"] == paper[mode] + differs[mode], mode
+    assert got["zero"]["model_state_by_kind"] == {
+        "params": 2 * psi,
+        "master": 4 * psi // p,
+        "grads": 4 * psi // p,
+        "optimizer": 8 * psi // p,
+    }
+    assert "activation_bytes" not in got["ddp"]  # a bare count: model states only
+
+
+def test_hybrid_sharding_divides_by_the_group_and_replicates_across():
+    """S = 8 of P = 16 on two nodes of 8: shards over the node, AllReduce across them."""
+    psi, p, s = 1_600_000, 16, 8
+    cfgs = compose_modes(["mode=fsdp", "precision=bf16"], p)
+    c = Cluster(p, 8, 450e9, 50e9, 989e12, 0.4)
+    full = estimate(cfgs, c, DEVICE, params=psi)["fsdp"]
+    got = estimate(cfgs, c, DEVICE, shard_group_size=s, params=psi)["fsdp"]
+    assert got["model_state_bytes_per_rank"] == 16 * psi // s  # fp32 shard, grad, moments
+    t = got["traffic_bytes_per_step"]
+    # AllGather twice (bf16) and ReduceScatter (fp32) inside the node, over S ranks
+    assert t["all_gather"] == {"inside_node": 2 * (s - 1) / s * psi * 2, "across_nodes": 0}
+    assert t["reduce_scatter"] == {"inside_node": (s - 1) / s * psi * 4, "across_nodes": 0}
+    # each rank's fp32 shard AllReduced with its R = 2 replicas, one per node
+    assert t["all_reduce"] == {"inside_node": 0, "across_nodes": 2 * (2 - 1) / 2 * psi * 4 / s}
+    # full sharding's ring spans both nodes: 2 of its 16 hops cross
+    across = sum(v["across_nodes"] for v in full["traffic_bytes_per_step"].values())
+    total = sum(sum(v.values()) for v in full["traffic_bytes_per_step"].values())
+    assert across == pytest.approx(total * 2 / 16)
+
+
+def test_bad_cluster_input_is_one_line(capsys):
+    main = _script_main()
+    for argv, words in [
+        (["--world-size", "8", "--shard-group-size", "3", "--params", "1e6"], "must divide"),
+        (["--world-size", "3"], "train.batch_size=128 is not divisible by world size 3"),
+        (["--mfu", "1.5", "--params", "1e6"], "--mfu 1.5"),
+        (["mode=ddp", "--shard-group-size", "2", "--params", "1e6"], "not ddp"),
+        (["model.n_layr=3"], "model.n_layr"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err, err
+        assert words in err, (argv, err)
+    with pytest.raises(ConfigError, match="shard group size 3 must divide"):
+        estimate(compose_modes(["mode=zero"], 4), cluster(4), DEVICE, 3, params=1e6)
+
+
+def test_cli_prints_a_table_and_json(capsys):
+    main = _script_main()
+    argv = ["--world-size", "2", "model=mlp", "train.batch_size=8"]
+    main(argv)
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines()]
+    assert ["ddp", "ddp", "zero", "zero", "fsdp", "fsdp"] == [
+        r for r in rows if r in ("ddp", "zero", "fsdp")
+    ]
+    main([*argv, "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert list(got) == ["ddp", "zero", "fsdp"]
+    for fig in got.values():
+        for key in (
+            "model_state_bytes_per_rank",
+            "working_set_bytes",
+            "activation_bytes",
+            "step_s",
+        ):
+            assert fig[key] > 0 or (key == "working_set_bytes" and fig is got["ddp"]), key
+        assert set(fig["traffic_bytes_per_step"]) <= {"all_reduce", "reduce_scatter", "all_gather"}
+        assert fig["alternative"]["activation_checkpointing"] is True
+        assert fig["alternative"]["activation_bytes"] < fig["activation_bytes"]
