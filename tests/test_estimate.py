@@ -302,6 +302,26 @@ def test_hybrid_sharding_divides_by_the_group_and_replicates_across():
     assert across == pytest.approx(total * 2 / 16)
 
 
+def test_step_time_follows_the_documented_model():
+    """ddp, 1e9 parameters in bf16 on 2 nodes of 8, 1000 tokens per rank: forward
+    2Ψ x 1000 FLOPs, backward twice that, at 0.5 x 1 PFLOP/s; the fp32 AllReduce,
+    2(P-1)/P x 4Ψ bytes, hides behind the backward up to the slower of its links."""
+    from trainer.estimate import traffic
+
+    psi, p = 10**9, 16
+    c = Cluster(p, 8, 400e9, 50e9, 1e15, 0.5)
+    plan = layout.bare("ddp", psi, 1, {})
+    sent = traffic.collectives(plan, Precision.of("bf16"), p, 1, 0)
+    fwd, bwd = 2 * psi * 1000 / 0.5e15, 4 * psi * 1000 / 0.5e15  # 4 ms, 8 ms
+    allreduce = 2 * (p - 1) / p * psi * 4
+    comm = max(allreduce * 7 / 8 / 400e9, allreduce / 8 / 50e9)  # 1 hop in 8 crosses
+    got = traffic.step_time(plan, sent, c, 1000, 1, checkpointing=False)
+    assert got["step_s"] == pytest.approx(fwd + max(bwd, comm))
+    assert comm > bwd  # the communication shows
+    ckpt = traffic.step_time(plan, sent, c, 1000, 1, checkpointing=True)
+    assert ckpt["compute_s"] == pytest.approx(fwd + bwd + fwd)  # the forward again
+
+
 def test_bad_cluster_input_is_one_line(capsys):
     main = _script_main()
     for argv, words in [

@@ -16,22 +16,27 @@ equals `comm.stats` after one step, to the byte:
         ReduceScatter per buffer, once per step.
   Buffers (BatchNorm statistics) are broadcast from rank 0 before every training forward
   (rank 0's figure: the others send nothing); waited for at once.
+Left out, as comm.stats leaves them out of a step: the small AllReduces of control values
+(fp16's found-inf, the clipping norm, unused-parameter checks) and the reductions of
+metrics at logging steps.
 With hybrid sharding ([Note: estimating hybrid sharding] in layout.py) AllGathers and
 ReduceScatters run over the S ranks of a group and each rank's reduced shard is then
 AllReduced across the R = P/S replicas: 2(R-1)/R x Ψr/S.
 
 Inside a node / across nodes: ranks are numbered node by node (`--ranks-per-node` L).
-A ring over a group spanning N > 1 nodes has N of its G hops between nodes, so on
-average N/G of a rank's bytes leave its node (per node: one ring's worth of the data);
-a group inside one node sends nothing across.
+A ring over a group spanning N > 1 nodes has N of its G hops between nodes, so N/G of
+the bytes leave their node: per node, one ring's worth of the data, which NCCL spreads
+over the node's NICs (one ring per NIC rail), so each rank's NIC carries N/G of what the
+rank sends. A group inside one node sends nothing across.
 
 [Note: step time model]
 compute: 6Ψ FLOPs per prediction (2Ψ forward, 4Ψ backward; a prediction is a token of a
 language model, a sample of a classifier: for a CNN, whose weights are applied at every
 pixel, this undercounts, and the time is a lower bound), at `mfu` x `peak` FLOP/s;
 activation checkpointing adds a second forward (2Ψ) to every backward.
-communication: a ring moves at its slowest hop: bytes / inter-node bandwidth when its
-group spans nodes, else bytes / intra-node bandwidth; collectives of a phase add up.
+communication: a collective takes the longer of its bytes inside the node over the
+intra-node bandwidth and its bytes across nodes over the inter-node bandwidth (both are
+per rank: NVLink, the rank's own NIC); collectives of a phase add up.
 overlap: communication launched during a pass hides behind that pass's compute, only the
 excess shows: ddp's AllReduce and zero's ReduceScatter behind the last micro-batch's
 backward; zero's AllGather after the optimizer step is not hidden (the next forward
@@ -118,26 +123,27 @@ def collectives(
     return out
 
 
-def _nodes(group: list[int], ranks_per_node: int) -> int:
-    return len({g // ranks_per_node for g in group})
+def _across(c: Sent, ranks_per_node: int) -> float:
+    """The bytes of `c` that leave the node ([Note: traffic per rank])."""
+    nodes = len({g // ranks_per_node for g in c.group})
+    return c.nbytes * nodes / len(c.group) if nodes > 1 else 0.0
 
 
 def split(sent: list[Sent], ranks_per_node: int) -> dict[str, dict[str, float]]:
     """Bytes per step by collective: {op: {"inside_node": ..., "across_nodes": ...}}."""
-    out: dict[str, dict[str, float]] = defaultdict(
-        lambda: {"inside_node": 0.0, "across_nodes": 0.0}
-    )
+    out: dict[str, dict[str, float]] = {}
     for c in sent:
-        n = _nodes(c.group, ranks_per_node)
-        across = c.nbytes * n / len(c.group) if n > 1 else 0.0
-        out[c.op]["inside_node"] += c.nbytes - across
-        out[c.op]["across_nodes"] += across
-    return dict(out)
+        across = _across(c, ranks_per_node)
+        op = out.setdefault(c.op, {"inside_node": 0.0, "across_nodes": 0.0})
+        op["inside_node"] += c.nbytes - across
+        op["across_nodes"] += across
+    return out
 
 
 def seconds(c: Sent, cluster: Cluster) -> float:
-    spans = _nodes(c.group, cluster.ranks_per_node) > 1
-    return c.nbytes / (cluster.inter_Bps if spans else cluster.intra_Bps)
+    """[Note: step time model]: the slower of the two links."""
+    across = _across(c, cluster.ranks_per_node)
+    return max((c.nbytes - across) / cluster.intra_Bps, across / cluster.inter_Bps)
 
 
 def step_time(
