@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     check_group_choices(args.overrides)
     try:
         cluster = _cluster(args)
-        cfgs = compose_modes(args.overrides, args.world_size)
+        # A bare count has no batch to divide over the ranks.
+        cfgs = compose_modes(args.overrides, 1 if args.params else args.world_size)
         result = estimate(cfgs, cluster, args.device_gb * 1e9, args.shard_group_size, args.params)
     except ConfigError as e:
         fail(str(e))

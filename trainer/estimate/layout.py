@@ -176,6 +176,8 @@ def model_state(
 
 
 def _optimizer_bytes(p: Plan, f: Flat, opt: OptimizerState, group_rank: int) -> int:
+    if opt.per_element == 0:  # a stateless optimizer (SGD without momentum)
+        return 0
     lay = f.layout
     if not p.sharded:  # one tensor per parameter
         sizes = [s.numel() for s in lay.shapes]
@@ -184,8 +186,6 @@ def _optimizer_bytes(p: Plan, f: Flat, opt: OptimizerState, group_rank: int) -> 
         shard = torch.empty(s, device="meta")
         cut = pieces.cut(f.names, range(len(f.names)), lay, shard, group_rank)
         sizes = [c.end - c.start for c in cut]
-    if opt.per_element == 0:
-        return 0
     return int(sum(n * opt.per_element + opt.per_tensor for n in sizes))
 
 
