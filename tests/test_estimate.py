@@ -21,7 +21,7 @@ from trainer.estimate.run import build_meta, mode_plan
 from trainer.optim import optimizer_factory
 from trainer.precision import Precision
 
-# Models the other tests train, small enough for one step in well under a second, with
+# conf/'s GPT and MLP, small enough for one step in well under a second, with
 # activations large enough (MBs) for the C heap to measure them.
 GPT = [
     "model=gpt",
