@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.errors import ConfigError
 from trainer.estimate import Cluster, compose_modes, estimate, layout
-from trainer.estimate.run import build_meta, mode_plan
+from trainer.estimate.run import build_meta, mode_plan, shard_size
 from trainer.optim import optimizer_factory
 from trainer.precision import Precision
 
@@ -48,7 +48,9 @@ CASES = {
     "mlp": ["model=mlp", "model.hidden=512", "model.depth=4", "train.batch_size=8"],
 }
 CASES["mlp"].append("mode.bucket_mb=1.1")
-RUNS = {1: ["mlp"], 2: ["gpt_ckpt", "gpt_bf16_accum"], 4: ["gpt_ckpt"]}
+# hybrid sharding: zero and fsdp shard over {0, 1} and {2, 3}, AllReduce across them
+CASES["mlp_hybrid"] = [*CASES["mlp"], "mode.shard_group_size=2"]
+RUNS = {1: ["mlp"], 2: ["gpt_ckpt", "gpt_bf16_accum"], 4: ["gpt_ckpt", "mlp_hybrid"]}
 DEVICE = 80e9
 
 
@@ -103,6 +105,7 @@ def _working(engine) -> int:
                 _nbytes(rows.rows) + (0 if fp32_out else _nbytes(out))
                 for *_, out, rows in engine._reducing
             )
+            + (0 if fp32_out else sum(_nbytes(out) for *_, out in engine._reduced))
         )
     if engine.name == "zero":
         return sum(
@@ -177,6 +180,7 @@ def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
             forward_backward(engine, x, y, k)
         engine.step()
         got["traffic"] = dict(comm.stats.bytes_sent)
+        got["across_groups"] = comm.stats.bytes_across
         got["working"] = sampler.peak
         out.append(got)
     return out
@@ -199,7 +203,7 @@ def runs(request):
 def test_model_state_is_byte_exact_on_every_rank(runs):
     p, cases = runs
     for case, mode, cfg, est, measured in cases:
-        plan = mode_plan(cfg, build_meta(cfg), p)
+        plan = mode_plan(cfg, build_meta(cfg), shard_size(mode, cfg, p, None))
         precision = Precision.of(cfg.precision, cfg.mode.reduce_dtype)
         opt = layout.optimizer_state(optimizer_factory(cfg.optim))
         for r, got in enumerate(measured):
@@ -219,6 +223,10 @@ def test_traffic_is_byte_exact(runs):
         got = {op: b for op, b in measured[0]["traffic"].items() if b}
         assert {op: b for op, b in want.items() if b} == got, (case, mode)
         assert all(t["across_nodes"] == 0 for t in est["traffic_bytes_per_step"].values())
+        # with shard groups, zero's and fsdp's only AllReduce goes across them
+        hybrid = est.get("shard_group_size", p) < p
+        across = want.get("all_reduce", 0) if hybrid else 0
+        assert measured[0]["across_groups"] == across > 0 or not hybrid, (case, mode)
 
 
 def test_activations_within_10pct_of_measured(runs):
@@ -336,7 +344,7 @@ def test_bad_cluster_input_is_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err, err
         assert words in err, (argv, err)
-    with pytest.raises(ConfigError, match="shard group size 3 must divide"):
+    with pytest.raises(ConfigError, match="shard_group_size=3 must divide the world size 4"):
         estimate(compose_modes(["mode=zero"], 4), cluster(4), DEVICE, 3, params=1e6)
 
 

@@ -10,11 +10,9 @@ from a live run right after an optimizer step, to the byte (tests/test_estimate.
 padding, the used-flags riding on the last collective ([Note: used flags]) and the
 optimizer's per-tensor state (AdamW's 0-d `step`) included.
 
-[Note: estimating hybrid sharding]
-With `mode.shard_group_size` S (zero and fsdp), flat buffers are cut over the S ranks of
-a group instead of all P: sharded kinds are divided by S and a rank's slice is the one
-of its rank inside the group. This follows the layout the mode's design describes; the
-figures are not yet checked against a hybrid run.
+With `mode.shard_group_size` S (zero and fsdp) the flat buffers are cut over the S ranks
+of a shard group instead of all P, a rank's slice being its rank inside the group
+([Note: hybrid sharding] in comm_groups.py).
 """
 
 from __future__ import annotations
@@ -200,23 +198,24 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
 
     ddp: none (its buckets are the gradients). zero: the flat gradient inputs of the
     ReduceScatters in flight, at most `_MAX_IN_FLIGHT` + 1 buckets ([Note: bounded
-    buckets]), each (S, shard + flags) in the reduce dtype, and their outputs where these
-    are not the fp32 shard gradients already. fsdp: the engine's `working_set_bytes()`:
-    full parameters and gradients of the root unit and of the two largest other units.
-    With several micro-batches, zero and fsdp also keep every full gradient in the
-    reduce dtype between them (`no_sync`). Backend receive buffers are not counted: NCCL
-    keeps its own, and Gloo's p2p path needs none at P = 2 ([Note: p2p collectives on
-    Gloo])."""
+    buckets]), each (S, shard + flags) in the reduce dtype. fsdp: the engine's
+    `working_set_bytes()`: full parameters and gradients of the root unit and of the two
+    largest other units. Both keep every reduced slice until backward ends; in fp32 those
+    are the shard gradients (model state), in a lower reduce dtype they come on top. With
+    several micro-batches, zero and fsdp also keep every full gradient in the reduce
+    dtype between them (`no_sync`). Backend receive buffers are not counted: NCCL keeps
+    its own, and Gloo's p2p path needs none at P = 2 ([Note: p2p collectives on Gloo])."""
     b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
-    accumulated = p.psi * r if micro_batches > 1 and p.mode != "ddp" else 0
+    if p.mode == "ddp":
+        return 0
+    extra = p.psi * r if micro_batches > 1 else 0
+    if r != 4:  # the reduced slices, kept apart from their fp32 copies
+        extra += sum((f.layout.shard_size(p.shard) + f.extra) * r for f in p.flats)
     if p.mode == "zero":
-        out = (0 if r == 4 else 1) * r  # an output apart from the fp32 shard gradient
-        rows = [(p.shard * r + out) * (f.layout.shard_size(p.shard) + f.extra) for f in p.flats]
-        return accumulated + sum(sorted(rows, reverse=True)[: _MAX_IN_FLIGHT + 1])
-    if p.mode == "fsdp":
-        per_unit: dict[int, int] = {}
-        for f in p.flats:
-            per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (b + r)
-        root = per_unit.pop(0, 0)
-        return accumulated + root + sum(sorted(per_unit.values(), reverse=True)[:2])
-    return 0
+        rows = [p.shard * (f.layout.shard_size(p.shard) + f.extra) * r for f in p.flats]
+        return extra + sum(sorted(rows, reverse=True)[: _MAX_IN_FLIGHT + 1])
+    per_unit: dict[int, int] = {}
+    for f in p.flats:
+        per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (b + r)
+    root = per_unit.pop(0, 0)
+    return extra + root + sum(sorted(per_unit.values(), reverse=True)[:2])

@@ -13,6 +13,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from trainer.comm_groups import check_shard_group_size
 from trainer.config import engine_options
 from trainer.errors import ConfigError
 from trainer.estimate import layout
@@ -131,7 +132,7 @@ def _fit(fig: dict[str, Any], one: Activations, two: Activations, micro: int, de
 
 def shard_size(mode: str, cfg: DictConfig, world: int, flag: int | None) -> int:
     """S for zero and fsdp: `--shard-group-size`, else `mode.shard_group_size`, else all
-    ranks ([Note: estimating hybrid sharding] in layout.py). ddp shards nothing: 1."""
+    ranks ([Note: hybrid sharding] in comm_groups.py). ddp shards nothing: 1."""
     if mode == "ddp":
         return 1
     configured = cfg.mode.get("shard_group_size")
@@ -142,12 +143,7 @@ def shard_size(mode: str, cfg: DictConfig, world: int, flag: int | None) -> int:
     s = flag if flag is not None else configured
     if s is None:
         return world
-    if not isinstance(s, int) or isinstance(s, bool) or s < 1 or world % s:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ConfigError(
-            f"shard group size {s!r} must divide the world size {world}: one of "
-            f"{', '.join(map(str, divisors[:12]))}{' ...' if len(divisors) > 12 else ''}"
-        )
+    check_shard_group_size(s, world)  # the engines' own check: one line naming valid sizes
     return s
 
 

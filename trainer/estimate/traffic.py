@@ -19,9 +19,10 @@ equals `comm.stats` after one step, to the byte:
 Left out, as comm.stats leaves them out of a step: the small AllReduces of control values
 (fp16's found-inf, the clipping norm, unused-parameter checks) and the reductions of
 metrics at logging steps.
-With hybrid sharding ([Note: estimating hybrid sharding] in layout.py) AllGathers and
-ReduceScatters run over the S ranks of a group and each rank's reduced shard is then
-AllReduced across the R = P/S replicas: 2(R-1)/R x Ψr/S.
+With hybrid sharding ([Note: hybrid sharding] in comm_groups.py) AllGathers and
+ReduceScatters run over the S ranks of a shard group and each rank's reduced slice (its
+flags too) is then AllReduced across the R = P/S replicas: 2(R-1)/R x Ψr/S, what
+`comm.stats.bytes_across` counts.
 
 Inside a node / across nodes: ranks are numbered node by node (`--ranks-per-node` L).
 A ring over a group spanning N > 1 nodes has N of its G hops between nodes, so N/G of
@@ -108,8 +109,8 @@ def collectives(
                 "reduce_scatter", bus_factor("reduce_scatter", s) * rows, shard_group, LAST_BACKWARD
             )
         )
-        if len(replicas) > 1:
-            ar = bus_factor("all_reduce", len(replicas)) * size * r
+        if len(replicas) > 1:  # the reduced slice, flags included
+            ar = bus_factor("all_reduce", len(replicas)) * (size + f.extra) * r
             out.append(Sent("all_reduce", ar, replicas, LAST_BACKWARD))
         gather = bus_factor("all_gather", s) * f.layout.padded_numel * b
         if p.mode == "zero":
