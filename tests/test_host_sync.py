@@ -155,12 +155,13 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
 
 
 def test_the_training_loop_reads_the_device_at_check_steps_only(tmp_path):
-    # 12 steps, checks at 4, 8 and 12 (log steps; the last step): the non-finite loss
-    # and SIGTERM agreement is read there and nowhere else. fp16 also reads what its
-    # checkpoint at the end saves (the steps the schedule took, the loss scaler) and its
-    # count of skipped steps for the summary.
+    # 12 steps, checks before the first step (a SIGTERM during set-up) and at 4, 8 and 12
+    # (log steps; the last step): the non-finite loss and SIGTERM agreement is read
+    # there and nowhere else. fp16 also reads what its checkpoint at the end saves (the
+    # steps the schedule took, the loss scaler) and its count of skipped steps for the
+    # summary.
     runs = run_distributed(_train_and_count, 2, str(tmp_path))[0]
-    assert runs["fp32"][0] == ["check step"] * 3
+    assert runs["fp32"][0] == ["check step"] * 4
     where, final = runs["fp16"]
-    assert where == ["check step"] * 3 + ["lr schedule", "loss scaler", "loss scaler"]
+    assert where == ["check step"] * 4 + ["lr schedule", "loss scaler", "loss scaler"]
     assert 0 < final["overflow_steps"] < 12  # some steps were skipped, on the device

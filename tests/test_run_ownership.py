@@ -218,5 +218,103 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     os.kill(rank1, signal.SIGTERM)  # rank 1 alone: rank 0 learns it at the next step
     step, err = _stopped(job, run_dir)
     assert "exitcode  : 75" in err  # torchrun's summary of the workers' exit codes
+    # ... naming why, with our line (from the workers' error files), not a link
+    assert f"  traceback : stopped by SIGTERM at step {step}; checkpoint " in err
     meta = torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "meta.pt", weights_only=True)
     assert meta["step"] == step
+
+
+# ---------------------------------------------------------------------------------------
+# SIGTERM to launcher.nproc's parent, and during set-up
+
+
+def _messages(err: str) -> list[str]:
+    """stderr without the progress bar."""
+    lines = err.replace("\r", "\n").splitlines()
+    return [x for x in lines if x.strip() and " p=" not in x.split(":")[0]]
+
+
+def _catches_sigterm(proc: subprocess.Popen) -> None:
+    """Until `proc` has its SIGTERM handler (train.py's first act), read from /proc."""
+    while True:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            status = ""
+        caught = [x for x in status.splitlines() if x.startswith("SigCgt:")]
+        if caught and int(caught[0].split()[1], 16) >> (signal.SIGTERM - 1) & 1:
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_is_forwarded_to_its_workers(tmp_path):
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *SIGTERM_ARGS, "launcher.nproc=2",
+         "train.steps=100000", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_for(run_dir / "checkpoints" / "step_000003" / "COMPLETE", job)
+    job.send_signal(signal.SIGTERM)  # to the parent alone: torch's agent forwards it
+    step, err = _stopped(job, run_dir)
+    assert job.returncode == 75
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    assert _messages(err) == [
+        f"stopped by SIGTERM at step {step}; checkpoint {ckpt}; resume with resume=auto"
+    ], err[-3000:]  # and nothing else: no traceback, no log lines of the agent
+
+
+def test_sigterm_during_set_up_stops_before_the_first_step(tmp_path):
+    # Signalled while it starts (imports, Hydra, building the model): the ranks agree to
+    # stop before the first step, with nothing to save.
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *TINY, "train.steps=50",
+         f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _catches_sigterm(proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert _messages(err) == [
+        "stopped by SIGTERM before training started; nothing new to save; run the same "
+        "command again"
+    ], err[-3000:]
+    assert not list(run_dir.glob("checkpoints/step_*"))
+
+
+LAUNCHER = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from trainer import preempt
+preempt.install()
+os.kill(os.getpid(), signal.SIGTERM)  # before the workers would start: kept
+try:
+    with preempt.raising():
+        print("entered")
+except preempt.Stopped as e:
+    print("on entry:", e)
+try:
+    with preempt.raising():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+except preempt.Stopped as e:
+    print("at once:", e)
+os.kill(os.getpid(), signal.SIGTERM)  # outside raising(): a flag again
+print("flagged:", preempt.requested())
+"""
+
+
+def test_a_launcher_signalled_before_its_workers_start_stops_at_once():
+    # What launcher.nproc's parent does around starting its workers (trainer/cli.py).
+    proc = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, str(ROOT)], capture_output=True, text=True, timeout=60
+    )
+    line = "stopped by SIGTERM before training started; nothing new to save; run the same "
+    line += "command again"
+    assert proc.stdout.splitlines() == [f"on entry: {line}", f"at once: {line}", "flagged: True"], (
+        proc.stderr
+    )

@@ -1,6 +1,7 @@
 """What happens between the command line and the training loop.
 
 - Bad input ends the process with one line on stderr and exit code 2, no traceback.
+- A stop on SIGTERM ends it with one line and exit code 75 ([Note: stopping on SIGTERM]).
 - `launcher.nproc=N` (outside torchrun) starts N local worker processes through
   PyTorch's elastic launch API, so `python train.py -m mode=ddp,zero,fsdp
   launcher.nproc=2` runs each mode as its own multi-process job, one after the other.
@@ -8,10 +9,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -31,7 +35,25 @@ def fail(message: str, code: int = 2) -> None:
     # Every rank sees the same bad input; one line from rank 0 is enough.
     if int(os.environ.get("RANK", "0")) == 0:
         say(f"error: {message}")
+    _tell_launcher(f"error: {message}")
     sys.exit(code)
+
+
+def _tell_launcher(line: str) -> None:
+    """Leave this worker's last line where torchelastic (torchrun, launcher.nproc) looks
+    for why a worker ended: the file TORCHELASTIC_ERROR_FILE names. torchrun's failure
+    summary then shows the line as the worker's "traceback", instead of a link to its
+    docs. The format is that of torch's own ErrorHandler.record_exception, with the line
+    where a Python traceback would be: there is none, the exit was on purpose."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = str(int(time.time()))
+    info = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}
+    try:
+        Path(path).write_text(json.dumps({"message": info}))
+    except OSError:
+        pass  # the line is on stderr already; the summary keeps its link
 
 
 def say(line: str) -> None:
@@ -120,12 +142,14 @@ def run_and_exit(cfg: DictConfig) -> None:
 
     try:
         train(cfg)
-    except Stopped as e:  # a checkpoint is written; the job can be run again to resume
+    except Stopped as e:  # a checkpoint is written (or none was due); run again to resume
         if int(os.environ.get("RANK", "0")) == 0:
             say(str(e))
+        _tell_launcher(str(e))
         sys.exit(EXIT_CODE)
     except PeerError as e:  # said by whichever rank noticed, not by rank 0 alone
         say(f"error: {e}")
+        _tell_launcher(f"error: {e}")
         sys.exit(1)
     except ConfigError as e:
         fail(str(e))
@@ -138,14 +162,23 @@ def run_and_exit(cfg: DictConfig) -> None:
 
 
 def _launch_workers(cfg: DictConfig) -> None:
-    """Run this job as `cfg.launcher.nproc` local processes (torchrun --standalone)."""
+    """Run this job as `cfg.launcher.nproc` local processes (torchrun --standalone).
+
+    SIGTERM before the workers start stops this process at once with one line; once they
+    run, torch's agent forwards it to them (they stop as [Note: stopping on SIGTERM]
+    says, rank 0 printing the line) and waits for them: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+    seconds (30 by default) before it kills them. Exit code 75 either way."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainer.preempt import EXIT_CODE
+    from trainer import preempt
 
     # The workers speak for themselves; the agent's own failure log would repeat them.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # Some of its modules set their own level (from LOGLEVEL), so each is quietened.
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     hc = HydraConfig.get()
     overrides = [o for o in hc.overrides.task if not o.startswith("hydra.run.dir=")]
     # Workers write into the directory Hydra made for this job (a sweep's subdirectory
@@ -161,11 +194,19 @@ def _launch_workers(cfg: DictConfig) -> None:
         max_restarts=cfg.launcher.max_restarts,
     )
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*args)
+        with preempt.raising():
+            elastic_launch(config, entrypoint=sys.executable)(*args)
+    except preempt.Stopped as e:  # before any worker started
+        say(str(e))
+        sys.exit(preempt.EXIT_CODE)
+    except SignalException as e:
+        if e.sigval != signal.SIGTERM:
+            raise
+        sys.exit(preempt.EXIT_CODE)  # forwarded: the workers have stopped and said so
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         if 2 in codes:  # bad input: the workers' rank 0 has already said what
             sys.exit(2)
-        if codes == [EXIT_CODE]:  # stopped by SIGTERM with a checkpoint; rank 0 said so
-            sys.exit(EXIT_CODE)
+        if codes == [preempt.EXIT_CODE]:  # stopped by SIGTERM with a checkpoint; rank 0 said so
+            sys.exit(preempt.EXIT_CODE)
         fail(f"{hc.job.name} workers failed with exit code(s) {codes}; see their messages above")

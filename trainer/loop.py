@@ -40,6 +40,7 @@ def shared_run_dir(env: tdist.DistEnv) -> Path:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
+    preempt.install()  # train.py did so first thing; this is for train() called alone
     # Check the config before joining the group: every rank then fails alike, and none
     # leaves a peer stuck in the group's set-up.
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
@@ -58,6 +59,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     run = build_run(cfg, env)
     start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
+    if run.guard.check(preempt.requested())[1]:  # signalled during set-up: stop here
+        raise preempt.Stopped.before_training(preempt.signal_name(), start)
     run.bar.update(start)
     comm.stats.reset()
     run.engine.train()
@@ -75,7 +78,7 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
             run.bar.update(1)
             prof.step()
             if stop and step < cfg.train.steps:
-                raise preempt.Stopped(step, path, preempt.signal_name())
+                raise preempt.Stopped.at_step(step, path, preempt.signal_name())
     return finish(run)
 
 
@@ -110,12 +113,10 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     """Model, data, engine, schedule and writers, in an order that fixes the RNG draws: a
     resumed run must continue the same random streams."""
     run_dir = shared_run_dir(env)
-    # Before anything of this run is written: one owner per directory, and stop
-    # cleanly on SIGTERM from here on.
+    # Before anything of this run is written: one owner per directory.
     owner = rundir.claim(
         {"hydra.run.dir": run_dir, "ckpt.dir": checkpoint.checkpoint_dir(cfg, run_dir)}
     )
-    preempt.install()
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(env.device)
     psi = count_params(model)  # before fsdp takes the parameters apart
