@@ -107,32 +107,48 @@ def test_resume_auto_takes_its_own_lineage_only(tmp_path):
 
 def test_command_line_values_win_on_resume(tmp_path):
     base = [*TINY, "ckpt.every=2", "train.steps=4"]
-    assert run_cli([*base, f"hydra.run.dir={tmp_path / 'a'}"], nproc=None).returncode == 0
-    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    a = tmp_path / "a"
+    assert run_cli([*base, f"hydra.run.dir={a}"], nproc=None).returncode == 0
+    ckpt = a / "checkpoints" / "step_000002"
     b = tmp_path / "b"
     proc = run_cli(
-        [*base, f"hydra.run.dir={b}", f"resume={ckpt}", "optim.lr=0.1", "optim.weight_decay=0.5"],
+        [*base, f"hydra.run.dir={b}", f"resume={ckpt}", "optim.lr=0.1", "optim.weight_decay=0.5",
+         "train.grad_accum_steps=2"],
         nproc=None,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (
         "resumed with values that differ from the checkpoint's: optim.lr=0.1 (checkpoint: "
-        "0.001), optim.weight_decay=0.5 (checkpoint: 0.01)" in proc.stdout
+        "0.001), optim.weight_decay=0.5 (checkpoint: 0.01), train.grad_accum_steps=2 "
+        "(checkpoint: 1)" in proc.stdout
     )
     assert json.loads((b / "final_metrics.json").read_text())["train/lr"] == 0.1
     meta = torch.load(b / "checkpoints" / "step_000004" / "meta.pt", weights_only=True)
     assert meta["optim_hparams"][0]["lr"] == 0.1 and meta["optim_hparams"][0]["weight_decay"] == 0.5
 
-    # A changed seed or dataset is refused: the sampler's position means nothing there.
-    for change, needle in [
-        ("seed=7", "sampler state has seed=0 but this run has seed=7"),
-        ("data.dataset.seed=3", "data.dataset={"),
+    # A changed seed, dataset or batch size is refused: the sampler's position means
+    # nothing there. With resume=auto at once, not by skipping to an older checkpoint.
+    before = {p: p.read_bytes() for p in (a / "checkpoints").rglob("step_*/*")}
+    for change, resume, run_dir, needle in [
+        ("seed=7", ckpt, tmp_path / "c", f"seed=7 differs from checkpoint {ckpt}'s seed=0"),
+        ("data.dataset.seed=3", ckpt, tmp_path / "c", "data.dataset={"),
+        (
+            "train.batch_size=32",
+            "auto",
+            a,
+            f"train.batch_size=32 differs from checkpoint {a / 'checkpoints' / 'step_000004'}'s "
+            "train.batch_size=16: the data order would not continue, and each step would "
+            "average another number of samples than the learning rate was set for; resume "
+            "with train.batch_size=16, or start a fresh run in a new hydra.run.dir",
+        ),
     ]:
-        args = [*base, f"hydra.run.dir={tmp_path / 'c'}", f"resume={ckpt}", change]
+        args = [*base, f"hydra.run.dir={run_dir}", f"resume={resume}", change]
         proc = run_cli(args, nproc=None)
         assert proc.returncode == 2, proc.stderr[-2000:]
         [line] = _error_lines(proc)
-        assert needle in line and str(ckpt) in line, line
+        assert needle in line, line
+        assert "warning" not in proc.stdout, proc.stdout
+    assert {p: p.read_bytes() for p in (a / "checkpoints").rglob("step_*/*")} == before
 
 
 # ---------------------------------------------------------------------------------------

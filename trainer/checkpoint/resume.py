@@ -43,7 +43,8 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
     checkpoint, or an error. resume=null: start afresh into a ckpt.dir without
     checkpoints, except in a group torchrun has restarted (TORCHELASTIC_RESTART_COUNT >
     0), which resumes as with auto. Values given on the command line win over the
-    checkpoint's (optimizer hyperparameters, schedule); one line names those that differ.
+    checkpoint's (optimizer hyperparameters, schedule, steps, train.grad_accum_steps); one
+    line names those that differ. A changed seed, dataset or train.batch_size is refused.
     """
     check_config(cfg)
     choice = cfg.get("resume")
@@ -57,21 +58,21 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
     if str(choice) != "auto":
         path = Path(str(choice))
         agree.agree(_claim, directory, (files.marker(path) or {}).get("run") or "")
-        meta = _load(path, engine, **stateful)
-        _check_resumable(cfg, path, meta)
+        meta = _load(path, engine, cfg, **stateful)
+        _say_changes(cfg, meta)
         agree.say(f"resumed from {choice} at step {meta['step']}")
         return int(meta["step"])
     # Every rank tries the same candidates in the same order.
     found: list[Any] = agree.agree(_candidates, directory)
     for i, path in enumerate(found):
         try:
-            meta = _load(path, engine, **stateful)
+            meta = _load(path, engine, cfg, **stateful)
         except ConfigError as e:
-            if i == len(found) - 1:
+            if i == len(found) - 1 or isinstance(e, NotResumable):
                 raise
             agree.say(f"warning: skipping checkpoint {path}: {e}")
             continue
-        _check_resumable(cfg, path, meta)
+        _say_changes(cfg, meta)
         agree.agree(_claim, directory, (files.marker(path) or {}).get("run") or "")
         agree.say(f"resumed from {path} at step {meta['step']}")
         return int(meta["step"])
@@ -126,34 +127,53 @@ def _claim(directory: Path, lineage: str | None) -> str:
     return lineage
 
 
-# Keys a resumed run must share with its checkpoint: the sampler's position means
-# nothing in another permutation or another dataset. (`root` and `download` only say
-# where the files are.)
-_FIXED_ON_RESUME = ("seed", "data.dataset")
+class NotResumable(ConfigError):
+    """The checkpoint is sound but this run's config cannot continue it: refused, not
+    skipped for an older checkpoint (which would have the same values)."""
 
 
+# Keys a resumed run must share with its checkpoint, and why. (`root` and `download` of
+# a dataset only say where its files are.) A changed train.grad_accum_steps or world size
+# is taken: the same samples make each step, only cut into other micro-batches or ranks.
+_FIXED_ON_RESUME = {
+    "seed": "the data order would not continue",
+    "data.dataset": "the data order would not continue",
+    "train.batch_size": (
+        "the data order would not continue, and each step would average another number "
+        "of samples than the learning rate was set for"
+    ),
+}
 _WHERE_KEYS = ("root", "download")
+# Keys a resumed run may change; one line names those that differ.
+_TAKEN_ON_RESUME = ("optim", "train.steps", "train.grad_accum_steps")
 
 
-def _check_resumable(cfg: DictConfig, path: Path, meta: dict[str, Any]) -> None:
-    """Refuse a changed seed or dataset; name the values that differ from the
-    checkpoint's and take this run's (optimizer, schedule, steps) in one line."""
-    if not meta.get("config") or "optim" not in cfg:
-        return  # a checkpoint saved by code outside the trainer (tests, own loops)
-    saved = OmegaConf.create(meta["config"])
-    for key in _FIXED_ON_RESUME:
+def _refuse_changes(cfg: DictConfig, path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a changed seed, dataset or batch size, before anything is loaded."""
+    saved = _saved_config(cfg, meta)
+    if saved is None:
+        return
+    for key, why in _FIXED_ON_RESUME.items():
         mine, theirs = _plain(OmegaConf.select(cfg, key)), _plain(OmegaConf.select(saved, key))
         if isinstance(mine, dict) and isinstance(theirs, dict):
             mine = {k: v for k, v in mine.items() if k not in _WHERE_KEYS}
             theirs = {k: v for k, v in theirs.items() if k not in _WHERE_KEYS}
         if mine != theirs:
-            raise ConfigError(
+            raise NotResumable(
                 f"{key}={_show(mine)} differs from checkpoint {path}'s {key}={_show(theirs)}: "
-                "the data order would not continue; resume with the same value, or start "
-                "a fresh run"
+                f"{why}; resume with {key}={_show(theirs)}, or start a fresh run in a new "
+                "hydra.run.dir (without resume)"
             )
+
+
+def _say_changes(cfg: DictConfig, meta: dict[str, Any]) -> None:
+    """One line naming the values that differ from the checkpoint's, which this run
+    takes (optimizer, schedule, steps, accumulation)."""
+    saved = _saved_config(cfg, meta)
+    if saved is None:
+        return
     changed = []
-    for key in ("optim", "train.steps"):
+    for key in _TAKEN_ON_RESUME:
         mine, theirs = _flatten(key, cfg), _flatten(key, saved)
         changed += [
             f"{k}={_show(v)} (checkpoint: {_show(theirs.get(k))})"
@@ -162,6 +182,12 @@ def _check_resumable(cfg: DictConfig, path: Path, meta: dict[str, Any]) -> None:
         ]
     if changed:
         agree.say(f"resumed with values that differ from the checkpoint's: {', '.join(changed)}")
+
+
+def _saved_config(cfg: DictConfig | None, meta: dict[str, Any]) -> DictConfig | None:
+    if cfg is None or not meta.get("config") or "optim" not in cfg:
+        return None  # a checkpoint saved by code outside the trainer (tests, own loops)
+    return OmegaConf.create(meta["config"])
 
 
 def _plain(node: Any) -> Any:
@@ -186,10 +212,11 @@ def load(path: Path, engine, **stateful: Any) -> int:
     missing, truncated, corrupted or mismatched file raises ConfigError naming it, on
     every rank alike, with the engine untouched and nothing on disk modified.
     """
-    return int(_load(path, engine, **stateful)["step"])
+    return int(_load(path, engine, None, **stateful)["step"])
 
 
-def _load(path: Path, engine, **stateful: Any) -> dict[str, Any]:
+def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[str, Any]:
+    """Load `path` (see `load`); with `cfg`, first refuse values it cannot resume with."""
     path = Path(path)
     prepared, error = None, None
     try:
@@ -203,6 +230,7 @@ def _load(path: Path, engine, **stateful: Any) -> dict[str, Any]:
     if error is not None:
         raise ConfigError(error)
     meta, state, rng = prepared
+    _refuse_changes(cfg, path, meta)  # every rank alike: the same files and config
     mine = _hparams(engine.optimizer)  # the values this run was built with
     for name, obj in stateful.items():
         if name in meta["state"]:
