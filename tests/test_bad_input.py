@@ -40,6 +40,8 @@ CASES = [
     (["seed=abc"], None, 2, "seed=abc: Value 'abc' of type 'str' could not be converted"),
     (["seed=1e30"], None, 2, "seed=1e30: Value '1e+30' of type 'float' could not be"),
     (["seed=-1"], None, 2, "seed=-1 must be a whole number from 0 to 4294967295"),
+    (["mode.bucket_mb=abc"], None, 2, "mode.bucket_mb=abc: Value 'abc' of type 'str' could"),
+    (["-m", "mode=ddp,zero", "optim.lr=x"], None, 2, "optim.lr=x: Value 'x' of type 'str'"),
     (["dist.timeout_s=-1"], None, 2, "dist.timeout_s=-1 must be a positive number"),
     (["dist.timeout_s=0"], None, 2, "dist.timeout_s=0 must be a positive number"),
     (["model.hidden=0"], None, 2, "model.hidden=0 must be a whole number >= 1"),
@@ -125,3 +127,47 @@ def test_more_ranks_than_parameters_to_shard(mode):
 
     msgs = run_distributed(_tiny_model_sharded, 2, mode)
     assert all(m and "the model has 1 parameter(s), fewer than the 2 ranks" in m for m in msgs)
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        (["mode=fsdp", "mode.reshard_after_forward=maybe"], "Value 'maybe' is not a valid bool"),
+        (["mode=fsdp", "mode.min_unit_params=1.5"], "Value '1.5' of type 'float' could not"),
+        (["mode=zero", "mode.shard_group_size=two"], "Value 'two' of type 'str' could not"),
+        (["mode=ddp", "mode.shard_group_size=2"], "Key 'shard_group_size' not in 'DdpMode'"),
+        (["optim=sgd", "optim.momentum=high"], "Value 'high' of type 'str' could not"),
+        (["optim.betas=[0.9,x]"], "Value 'x' of type 'str' could not be converted to Float"),
+    ],
+)
+def test_every_mode_and_optim_key_is_typed(overrides, reason):
+    # Composed here (the command line gives these the one line of the table's type row).
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+    from test_cli import ROOT
+
+    from trainer import schema  # noqa: F401  (registers the types)
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as e:
+            compose("config", overrides=overrides)
+        assert reason in str(e.value.__cause__)
+
+
+def test_each_mode_and_optim_choice_composes_with_its_schema():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from test_cli import ROOT
+
+    from trainer import schema
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        for group, choice, node in [
+            ("mode", "ddp", schema.DdpMode),
+            ("mode", "zero", schema.ZeroMode),
+            ("mode", "fsdp", schema.FsdpMode),
+            ("optim", "adamw", schema.AdamWOptim),
+            ("optim", "sgd", schema.SGDOptim),
+        ]:
+            cfg = compose("config", overrides=[f"{group}={choice}"])
+            assert OmegaConf.get_type(cfg[group]) is node, (group, choice)

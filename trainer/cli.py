@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -86,31 +87,17 @@ def check_group_choices(args: list[str]) -> None:
 
 
 def check_run_dir(args: list[str]) -> None:
-    """Overrides that do not compose (a key the config lacks) and a run directory that
-    cannot be created: one line each, before Hydra tries (its own failure is a
-    traceback). Every rank composes, so none of them prints Hydra's traceback; the
-    directory is rank 0's alone to create."""
+    """Overrides that do not compose (a key the config lacks, a value of the wrong type)
+    and a run directory that cannot be created: one line each, before Hydra tries (its
+    own failure is a traceback). Every rank composes, so none of them prints Hydra's
+    traceback; the directory is rank 0's alone to create. A sweep (-m) composes each of
+    its jobs; their directories are Hydra's to make."""
+    overrides = [a for a in args if not a.startswith("-")]
     if any(a in ("-m", "--multirun") for a in args):
+        for job in _sweep_jobs(overrides):
+            _compose(job)
         return
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import ConfigCompositionException
-
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose(
-                "config",
-                overrides=[a for a in args if not a.startswith("-")],
-                return_hydra_config=True,
-            )
-        except ConfigCompositionException as e:  # "Could not override 'mode.foo'. ..."
-            cause = str(e.__cause__ or "").strip().splitlines()
-            # A wrong type (trainer/schema.py): the override, then OmegaConf's reason.
-            reason = f": {cause[0]}" if cause and "Error merging" in str(e) else ""
-            fail(" ".join(str(e).split()).replace("Error merging override ", "") + reason)
-    try:  # an interpolation that cannot resolve (${oc.env:NOPE}) names itself here
-        OmegaConf.resolve(cfg)
-    except Exception as e:
-        fail(" ".join(str(e).split("\n")[0].split()))
+    cfg = _compose(overrides)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     path = Path(cfg.hydra.run.dir).absolute()
@@ -132,6 +119,42 @@ def check_run_dir(args: list[str]) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=existing))
     except OSError as e:
         fail(f"run directory {path} cannot be created: {e.strerror}")
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """The config these overrides make, resolved, or one `error:` line."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        try:
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        except ConfigCompositionException as e:  # "Could not override 'mode.foo'. ..."
+            cause = str(e.__cause__ or "").strip().splitlines()
+            # A wrong type (trainer/schema.py): the override, then OmegaConf's reason.
+            reason = f": {cause[0]}" if cause and "Error merging" in str(e) else ""
+            fail(" ".join(str(e).split()).replace("Error merging override ", "") + reason)
+    try:  # an interpolation that cannot resolve (${oc.env:NOPE}) names itself here
+        OmegaConf.resolve(cfg)
+    except Exception as e:
+        fail(" ".join(str(e).split("\n")[0].split()))
+    return cfg
+
+
+def _sweep_jobs(overrides: list[str], most: int = 100) -> list[list[str]]:
+    """The overrides of each job of a sweep (`mode=ddp,zero` makes two), as Hydra's
+    basic sweeper makes them; none if they are more than `most` or not plain lists."""
+    choices = []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            choices.append([o.input_line])
+        elif o.is_choice_sweep() or o.is_range_sweep():
+            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:  # glob sweeps and the like: left to Hydra
+            return []
+    jobs = list(itertools.islice(itertools.product(*choices), most + 1))
+    return [list(job) for job in jobs] if len(jobs) <= most else []
 
 
 def run_and_exit(cfg: DictConfig) -> None:

@@ -11,12 +11,20 @@ from trainer import schema  # noqa: F401  (registers the types conf/config.yaml 
 from trainer.errors import ConfigError
 
 
+def _show(value: Any) -> str:
+    """A value as the user probably typed it: a float key (trainer/schema.py) turns
+    `optim.lr=-1` into -1.0, shown as -1."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value)
+
+
 def _positive(name: str, value: Any) -> None:
     # `not value > 0` rather than `value <= 0`: NaN compares false either way
     if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"{name}={value!r} must be a positive number")
+        raise ConfigError(f"{name}={_show(value)} must be a positive number")
     if math.isinf(value):
-        raise ConfigError(f"{name}={value!r} must be a finite positive number")
+        raise ConfigError(f"{name}={_show(value)} must be a finite positive number")
 
 
 # Sizes of the models' layers: 0 or less builds a model that cannot learn, or fails
@@ -32,7 +40,7 @@ def _validate_ranges(cfg: DictConfig) -> None:
     _whole("launcher.nproc", cfg.launcher.nproc, minimum=1)
     wd = cfg.optim.get("weight_decay", 0.0)
     if not isinstance(wd, int | float) or isinstance(wd, bool) or not 0 <= wd < math.inf:
-        raise ConfigError(f"optim.weight_decay={wd!r} must be a number >= 0")
+        raise ConfigError(f"optim.weight_decay={_show(wd)} must be a number >= 0")
     if "min_unit_params" in cfg.mode:
         _whole("mode.min_unit_params", cfg.mode.min_unit_params, minimum=0)
     for key in _MODEL_SIZES:
@@ -79,13 +87,13 @@ def _validate_optim(optim: DictConfig) -> None:
 
     clip = optim.get("clip_grad_norm") or 0
     if not isinstance(clip, int | float) or isinstance(clip, bool) or clip < 0:
-        raise ConfigError(f"optim.clip_grad_norm={clip!r} must be >= 0 (0: no clipping)")
+        raise ConfigError(f"optim.clip_grad_norm={_show(clip)} must be >= 0 (0: no clipping)")
     if optim.get("schedule", "constant") not in SCHEDULES:
         raise ConfigError(f"optim.schedule={optim.schedule!r} is not one of {', '.join(SCHEDULES)}")
     _whole("optim.warmup_steps", optim.get("warmup_steps", 0), minimum=0)
     ratio = optim.get("min_lr_ratio", 0.0)
     if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 <= ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio={ratio!r} must be between 0 and 1")
+        raise ConfigError(f"optim.min_lr_ratio={_show(ratio)} must be between 0 and 1")
 
 
 def _validate_precision(cfg: DictConfig) -> None:
@@ -101,7 +109,8 @@ def _validate_precision(cfg: DictConfig) -> None:
 
 
 def engine_options(cfg: DictConfig) -> dict[str, Any]:
-    """Everything under mode/ except its name goes to the engine's constructor."""
+    """Everything under mode/ except its name goes to the engine's constructor; an
+    option left null (trainer/schema.py types them all) is the engine's own default."""
     opts = OmegaConf.to_container(cfg.mode, resolve=True)
     opts.pop("name")
-    return opts
+    return {k: v for k, v in opts.items() if v is not None}

@@ -1,8 +1,18 @@
-"""Types of the top-level config, registered with Hydra's ConfigStore as the schema that
-conf/config.yaml extends: a value of the wrong type (`seed=abc`, `train.steps=1.5`,
-`dist.timeout_s=ten`) is refused for every key at once when the config is composed.
-Ranges and rules across keys stay in trainer/config.py. The groups (mode, model, data,
-optim) stay untyped here: their keys depend on the choice."""
+"""Types of the config, registered with Hydra's ConfigStore: a value of the wrong type
+(`seed=abc`, `train.steps=1.5`, `mode.bucket_mb=abc`, `mode.reshard_after_forward=maybe`)
+is refused for every key at once when the config is composed, and a key no choice has
+(`mode.foo=1`) too. Ranges and rules across keys stay in trainer/config.py.
+
+- The top level (`schema`) is what conf/config.yaml extends.
+- mode/ and optim/: one dataclass per choice, stored in the group as `<choice>_schema`;
+  each conf/<group>/<choice>.yaml names its own in its defaults list. An optim choice
+  holds its optimizer's arguments and the trainer's own options that conf/config.yaml
+  merges into every choice (trainer/optim.py, TRAINER_KEYS).
+- model/ and data/ stay untyped: each choice's keys are the arguments of its own
+  `_target_` (a model class, a dataset function), so a schema would repeat every
+  signature; hydra.utils.instantiate checks the arguments when it calls the target, and
+  config.py checks the sizes. A new optim or mode file without a schema works untyped.
+"""
 
 from __future__ import annotations
 
@@ -61,4 +71,78 @@ class Config:
     launcher: Launcher = field(default_factory=Launcher)
 
 
-ConfigStore.instance().store(name="schema", node=Config)
+# mode/: the options of each engine (trainer/parallel/), as conf/mode/*.yaml sets them.
+
+
+@dataclass
+class DdpMode:
+    name: str = "ddp"
+    bucket_mb: float = 25.0
+    reduce_dtype: str = "fp32"
+
+
+@dataclass
+class ZeroMode:
+    name: str = "zero"
+    bucket_mb: float = 25.0
+    reduce_dtype: str = "fp32"
+    shard_group_size: int | None = None
+
+
+@dataclass
+class FsdpMode:
+    name: str = "fsdp"
+    reshard_after_forward: bool = True
+    unit_classes: list[str] = field(default_factory=list)
+    min_unit_params: int = 100000
+    repeated_children: bool = True
+    bucket_mb: float = 25.0
+    reduce_dtype: str = "fp32"
+    shard_group_size: int | None = None
+
+
+# optim/: the optimizer's own arguments (those that change its arithmetic), then the
+# trainer's options, whose values conf/config.yaml sets for every choice.
+
+
+@dataclass
+class TrainerOptim:
+    clip_grad_norm: float = 0.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    no_decay_bias_norm: bool = False
+
+
+@dataclass
+class AdamWOptim(TrainerOptim):
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    amsgrad: bool = False
+
+
+@dataclass
+class SGDOptim(TrainerOptim):
+    _target_: str = "torch.optim.SGD"
+    _partial_: bool = True
+    lr: float = 0.05
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+cs = ConfigStore.instance()
+cs.store(name="schema", node=Config)
+for group, choice, node in [
+    ("mode", "ddp", DdpMode),
+    ("mode", "zero", ZeroMode),
+    ("mode", "fsdp", FsdpMode),
+    ("optim", "adamw", AdamWOptim),
+    ("optim", "sgd", SGDOptim),
+]:
+    cs.store(group=group, name=f"{choice}_schema", node=node)
