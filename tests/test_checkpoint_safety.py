@@ -185,7 +185,20 @@ def test_unwritable_ckpt_dir_is_found_at_start(tmp_path):
     assert "1/500" not in proc.stderr  # refused before the first step
 
 
-def test_unwritable_consolidate_output(tmp_path):
+def _consolidate(capsys, *args: str) -> tuple[int, list[str]]:
+    """scripts/consolidate.py in this process: its exit code and stderr lines."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "consolidate", ROOT / "scripts" / "consolidate.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    code = script.main([str(a) for a in args])
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_consolidate_refuses_an_unwritable_output_and_another_model(tmp_path, capsys):
     from trainer import checkpoint  # noqa: F401  (the import path the script uses)
 
     run_dir = tmp_path / "run"
@@ -205,7 +218,35 @@ def test_unwritable_consolidate_output(tmp_path):
     )
     assert out.returncode == 2
     [line] = _error_lines(out)
-    assert str(blocker / "model.pt") in line and "Traceback" not in out.stderr
+    assert line == f"error: cannot write {blocker / 'model.pt'}: Not a directory"
+    assert "Traceback" not in out.stderr
+
+    ckpts, model_pt = run_dir / "checkpoints", tmp_path / "model.pt"
+    # The run directory's newest run used another model (here: a wider MLP; as when a
+    # later run in the same directory was refused its checkpoints but left its config).
+    run_config = run_dir / ".hydra" / "config.yaml"
+    text = run_config.read_text()
+    assert "hidden: 16" in text
+    run_config.write_text(text.replace("hidden: 16", "hidden: 32"))
+    code, err = _consolidate(capsys, ckpts, model_pt)
+    assert code == 2 and err == [
+        f"error: checkpoint {ckpts / 'step_000002'} holds another model than the newest run "
+        f"in {run_dir} used: model.hidden=16 (that run: 32); consolidate a checkpoint of that "
+        "run, or pass --any-model to write this one anyway"
+    ]
+    assert not model_pt.exists()
+    code, err = _consolidate(capsys, ckpts, model_pt, "--any-model")
+    assert code == 0 and err == []
+    assert torch.load(model_pt, weights_only=True)["layers.0.weight"].shape == (16, 32)
+    # The same model: written. activation_checkpointing does not change the weights.
+    assert "activation_checkpointing: false" in text
+    run_config.write_text(
+        text.replace("activation_checkpointing: false", "activation_checkpointing: true")
+    )
+    assert _consolidate(capsys, ckpts, tmp_path / "again.pt") == (0, [])
+    # An output that is a directory: one line.
+    code, err = _consolidate(capsys, ckpts, tmp_path)
+    assert code == 2 and err == [f"error: {tmp_path} is a directory; give the file to write (.pt)"]
 
 
 def test_a_repeated_warning_is_printed_once(capsys, monkeypatch):
