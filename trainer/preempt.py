@@ -53,11 +53,9 @@ class Stopped(Exception):
     def before_training(cls, signame: str, step: int = 0) -> Stopped:
         """Stopped before the first step of this process: at `step`, the checkpoint it
         resumed from (0: none), which is unchanged."""
-        when = (
-            f"before its first step after resuming at step {step}"
-            if step
-            else ("before training started")
-        )
+        when = "before training started"
+        if step:
+            when = f"before its first step after resuming at step {step}"
         return cls(
             f"stopped by {signame} {when}; nothing new to save; run the same command again",
             step,
