@@ -131,7 +131,6 @@ def test_command_line_values_win_on_resume(tmp_path):
     before = {p: p.read_bytes() for p in (a / "checkpoints").rglob("step_*/*")}
     for change, resume, run_dir, needle in [
         ("seed=7", ckpt, tmp_path / "c", f"seed=7 differs from checkpoint {ckpt}'s seed=0"),
-        ("data.dataset.seed=3", ckpt, tmp_path / "c", "data.dataset={"),
         (
             "train.batch_size=32",
             "auto",
@@ -149,6 +148,36 @@ def test_command_line_values_win_on_resume(tmp_path):
         assert needle in line, line
         assert "warning" not in proc.stdout, proc.stdout
     assert {p: p.read_bytes() for p in (a / "checkpoints").rglob("step_*/*")} == before
+
+
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ("seed=7", "seed=7 differs from checkpoint ckpt's seed=0: the data order"),
+        ("data.dataset.seed=3", "data.dataset={'_target_': 'trainer.data.synthetic_classif"),
+        ("data.dataset.n=100", "data.dataset={'_target_': 'trainer.data.synthetic_classif"),
+        ("train.batch_size=64", "train.batch_size=64 differs from checkpoint ckpt's train."),
+        ("train.grad_accum_steps=2", None),  # the same samples per step
+        ("optim.lr=0.1", None),
+        ("train.steps=9", None),
+    ],
+)
+def test_what_a_resume_may_change(change, refused):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainer import schema  # noqa: F401  (registers the types conf/ names)
+    from trainer.checkpoint.resume import NotResumable, _refuse_changes
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        meta = {"config": OmegaConf.to_yaml(compose("config"))}  # as the checkpoint saved it
+        cfg = compose("config", overrides=[change])
+    if refused is None:
+        _refuse_changes(cfg, Path("ckpt"), meta)
+    else:
+        with pytest.raises(NotResumable) as e:
+            _refuse_changes(cfg, Path("ckpt"), meta)
+        assert str(e.value).startswith(refused), str(e.value)
 
 
 # ---------------------------------------------------------------------------------------
