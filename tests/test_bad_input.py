@@ -160,6 +160,7 @@ def test_each_mode_and_optim_choice_composes_with_its_schema():
     from test_cli import ROOT
 
     from trainer import schema
+    from trainer.optim import optimizer_factory
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         for group, choice, node in [
@@ -171,3 +172,9 @@ def test_each_mode_and_optim_choice_composes_with_its_schema():
         ]:
             cfg = compose("config", overrides=[f"{group}={choice}"])
             assert OmegaConf.get_type(cfg[group]) is node, (group, choice)
+            if group == "optim":
+                # A null argument is not passed (fp16 may then build the optimizer
+                # fused); one given is.
+                assert {"fused", "foreach"} & optimizer_factory(cfg.optim).keywords.keys() == set()
+                cfg = compose("config", overrides=[f"optim={choice}", "optim.foreach=true"])
+                assert optimizer_factory(cfg.optim).keywords["foreach"] is True

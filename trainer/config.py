@@ -109,8 +109,7 @@ def _validate_precision(cfg: DictConfig) -> None:
 
 
 def engine_options(cfg: DictConfig) -> dict[str, Any]:
-    """Everything under mode/ except its name goes to the engine's constructor; an
-    option left null (trainer/schema.py types them all) is the engine's own default."""
+    """Everything under mode/ except its name goes to the engine's constructor."""
     opts = OmegaConf.to_container(cfg.mode, resolve=True)
     opts.pop("name")
-    return {k: v for k, v in opts.items() if v is not None}
+    return opts

@@ -32,11 +32,13 @@ SCHEDULES = ("constant", "cosine")
 
 
 def optimizer_factory(optim: DictConfig) -> OptimizerFactory:
-    """The optimizer partial from `optim`, the trainer's own keys removed."""
+    """The optimizer partial from `optim`, the trainer's own keys removed, and the
+    arguments left null (trainer/schema.py's `foreach`, `fused`): torch's own default
+    then, and fp16 free to build the optimizer fused (precision.fused_for_scaling)."""
     kwargs = OmegaConf.to_container(optim, resolve=True)
     for key in TRAINER_KEYS:
         kwargs.pop(key, None)
-    return instantiate(kwargs)
+    return instantiate({k: v for k, v in kwargs.items() if v is not None})
 
 
 def param_options(optim: DictConfig) -> ParamGroupFn | None:

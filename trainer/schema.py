@@ -7,7 +7,8 @@ is refused for every key at once when the config is composed, and a key no choic
 - mode/ and optim/: one dataclass per choice, stored in the group as `<choice>_schema`;
   each conf/<group>/<choice>.yaml names its own in its defaults list. An optim choice
   holds its optimizer's arguments and the trainer's own options that conf/config.yaml
-  merges into every choice (trainer/optim.py, TRAINER_KEYS).
+  merges into every choice (trainer/optim.py, TRAINER_KEYS); an argument left null is
+  not passed.
 - model/ and data/ stay untyped: each choice's keys are the arguments of its own
   `_target_` (a model class, a dataset function), so a schema would repeat every
   signature; hydra.utils.instantiate checks the arguments when it calls the target, and
@@ -101,8 +102,9 @@ class FsdpMode:
     shard_group_size: int | None = None
 
 
-# optim/: the optimizer's own arguments (those that change its arithmetic), then the
-# trainer's options, whose values conf/config.yaml sets for every choice.
+# optim/: the trainer's options, whose values conf/config.yaml sets for every choice,
+# then the optimizer's arguments: those of its arithmetic, and its implementation
+# (`foreach`, `fused`; null: not passed, torch's choice, or fp16's fused one).
 
 
 @dataclass
@@ -123,6 +125,8 @@ class AdamWOptim(TrainerOptim):
     eps: float = 1e-8
     weight_decay: float = 0.01
     amsgrad: bool = False
+    foreach: bool | None = None
+    fused: bool | None = None
 
 
 @dataclass
@@ -134,6 +138,8 @@ class SGDOptim(TrainerOptim):
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    foreach: bool | None = None
+    fused: bool | None = None
 
 
 cs = ConfigStore.instance()
