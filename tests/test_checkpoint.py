@@ -372,7 +372,9 @@ def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     assert proc.returncode != 0
     # The line may follow rank 0's progress bar, which ends in a carriage return.
     lines = proc.stderr.replace("\r", "\n").splitlines()
-    errors = [line for line in lines if "error: rank 0:" in line]
+    errors = [line for line in lines if line.startswith("error: rank 0:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "no answer from the other ranks within dist.timeout_s=10 s" in errors[0]
+    # torchrun's own failure summary quotes that line (the worker's error file)
+    assert f"traceback : {errors[0]}" in proc.stderr
     assert elapsed < 120, f"took {elapsed:.0f} s"
