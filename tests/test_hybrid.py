@@ -170,6 +170,26 @@ def _unused(env, mode: str, **options) -> dict:
     return engine.full_state_dict()
 
 
+def _groups_and_checkpointing(env, mode: str, **options) -> dict:
+    """No weight decay on biases and norms (two param groups, so fsdp units get two flat
+    buffers) and activation checkpointing (units rerun in backward): a few steps."""
+    from reference import SEQ, VOCAB
+
+    from trainer.models import GPT
+    from trainer.optim import no_decay_bias_norm
+    from trainer.parallel import build_engine
+
+    torch.manual_seed(env.rank)
+    model = GPT(VOCAB, SEQ, n_layer=3, n_head=3, n_embd=15, activation_checkpointing=True)
+    engine = build_engine(
+        model, mode, OPTIMIZERS["adamw"], param_options=no_decay_bias_norm, **options
+    )
+    for x, y in batches("gpt", 2, BATCH):
+        engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
+        engine.step()
+    return engine.full_state_dict()
+
+
 def _all(env, root: Path) -> dict:
     out = {"ddp": _ours(env, "ddp"), "hsdp": _fsdp2_hsdp(env)}
     out["hsdp_bf16"] = _fsdp2_hsdp(env, "bf16")
@@ -180,6 +200,8 @@ def _all(env, root: Path) -> dict:
     out["zero_s1"] = _ours(env, "zero", shard_group_size=1)
     out["unused"] = {m: _unused(env, m, shard_group_size=S) for m in SHARDED}
     out["unused"]["ddp"] = _unused(env, "ddp")
+    out["groups"] = {m: _groups_and_checkpointing(env, m, shard_group_size=S) for m in SHARDED}
+    out["groups"]["ddp"] = _groups_and_checkpointing(env, "ddp")
     out["checkpoint"] = _checkpoint_round_trip(env, root)
     return out
 
@@ -272,6 +294,12 @@ def test_parameters_no_rank_used_stay_untouched(ranks):
             got = r["unused"][mode]
             assert torch.equal(got["fc_unused.weight"], init), mode  # not decayed
             assert _max_diff(got, r["unused"]["ddp"]) < 1e-6, mode
+
+
+def test_weight_decay_groups_and_activation_checkpointing(ranks):
+    for r in ranks:
+        for mode in SHARDED:
+            assert _max_diff(r["groups"][mode], r["groups"]["ddp"]) < 1e-5, mode
 
 
 def _resume_at_two(env, path: Path) -> dict:
