@@ -41,11 +41,6 @@ class Mesh:
     rank: int  # this rank's position in its shard group: the slice it owns
     replicas: int  # R = P / S
 
-    def shard_ranks(self) -> list[int]:
-        """Global ranks of this rank's shard group."""
-        first = dist.get_rank() // self.size * self.size
-        return list(range(first, first + self.size))
-
 
 def check_shard_group_size(s: Any, world_size: int) -> None:
     """Hybrid sharding needs whole shard groups: one line naming the valid sizes."""
