@@ -49,7 +49,7 @@ def _steady_reads(env, cases) -> dict:
         engine = build_engine(
             make_model(kind, seed=0),
             mode,
-            functools.partial(torch.optim.AdamW, lr=1e-3, **dict(*optim)),
+            functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-3, **dict(*optim)),
             precision=precision,
             **MODES[name],
         )

@@ -165,6 +165,7 @@ def _decay_groups(env, mode: str):
             "_partial_": True,
             "lr": 1e-2,
             "weight_decay": 0.5,
+            "eps": 1e-3,  # AdamW's default amplifies rounding noise: see reference.py
             "no_decay_bias_norm": True,
         }
     )
@@ -228,7 +229,10 @@ def _decayed() -> dict:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.5
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+        weight_decay=0.5,
+        eps=1e-3,  # as _decay_groups: the default would turn rounding noise into steps
     )
     for x, y in batches("gpt", STEPS, BATCH):
         nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten()).backward()
