@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 NPROC ?= 2
 
-.PHONY: install train test lint
+.PHONY: install train test test-kernels lint
 
 # Idempotent: the stamp is rebuilt only when the project's metadata changes.
 install: .venv/.installed
@@ -17,6 +17,25 @@ train: install
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# Another CPU rounds sums otherwise: the tests that compare training against a reference,
+# under each of PyTorch's CPU kernel sets that this CPU supports but does not pick itself
+# (ATEN_CPU_CAPABILITY, read at process start and inherited by every rank).
+KERNEL_TESTS ?= tests/test_ddp.py tests/test_zero.py tests/test_fsdp.py tests/test_hybrid.py \
+	tests/test_peer_patterns.py tests/test_control_flow.py tests/test_training_features.py \
+	tests/test_precision.py tests/test_fp16_backward.py tests/test_checkpoint.py \
+	tests/test_third_party.py tests/test_overlap.py tests/test_launch.py
+
+test-kernels: install
+	@own=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
+	for cap in default avx2 avx512; do \
+	  [ "$$cap" = "$$own" ] && continue; \
+	  got=$$(ATEN_CPU_CAPABILITY=$$cap $(PY) -W ignore -c \
+	    "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
+	  if [ "$$got" != "$$cap" ]; then echo "test-kernels: $$cap: not on this CPU, skipped"; continue; fi; \
+	  echo "test-kernels: ATEN_CPU_CAPABILITY=$$cap (this CPU picks $$own)"; \
+	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -n 2 --dist loadfile $(KERNEL_TESTS) || exit 1; \
+	done
 
 lint: install
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .

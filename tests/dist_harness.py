@@ -26,7 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank: int, world_size: int, port: int, queue, args, kwargs) -> None:
+def _worker(
+    fn, rank: int, world_size: int, port: int, queue, args, kwargs, pg_timeout_s: float = 120
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -41,7 +43,7 @@ def _worker(fn, rank: int, world_size: int, port: int, queue, args, kwargs) -> N
 
     torch.set_num_threads(1)  # P ranks share two cores
     try:
-        env = tdist.init("gloo", timeout_s=120)
+        env = tdist.init("gloo", timeout_s=pg_timeout_s)
         out = fn(env, *args, **kwargs)
         # Plain bytes: torch's queue pickler would pass tensors through shared memory
         # that vanishes when this process exits.
@@ -55,13 +57,22 @@ def _worker(fn, rank: int, world_size: int, port: int, queue, args, kwargs) -> N
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240,
+    pg_timeout_s: float = 120,
+    **kwargs: Any,
 ) -> list[Any]:
-    """Call `fn(env, *args, **kwargs)` on each of `world_size` ranks; return results by rank."""
+    """Call `fn(env, *args, **kwargs)` on each of `world_size` ranks; return results by rank.
+    `pg_timeout_s`: how long a collective may wait for its peers before it raises."""
     queue = _CTX.Queue()
     port = free_port()
     procs = [
-        _CTX.Process(target=_worker, args=(fn, r, world_size, port, queue, args, kwargs))
+        _CTX.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, queue, args, kwargs, pg_timeout_s),
+        )
         for r in range(world_size)
     ]
     for p in procs:

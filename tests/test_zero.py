@@ -232,5 +232,5 @@ def test_unused_parameter_does_not_hang_and_reentrant_checkpointing():
         for mode in ("ddp", "zero"):
             assert_state_close(results[mode], want)
         # fsdp would leave the second gradient behind: refused, the parameter named
-        assert "'mid." in results["fsdp"] and "received its gradient twice" in results["fsdp"]
+        assert "'mid." in results["fsdp"] and "its gradient twice" in results["fsdp"]
         assert "use_reentrant=False" in results["fsdp"]

@@ -182,11 +182,12 @@ class _Unit:
             for i, (opts, pairs) in enumerate(groups)
         ]
         self.ready = 0  # parameters whose gradient arrived in this backward
+        self.expected = len(self.params)  # of them, those this rank's forward reached
         self.done = False  # gradients handled in this backward
 
     @property
-    def is_full(self) -> bool:  # gathered, or being gathered
-        return any(f.is_full for f in self.flats)
+    def is_full(self) -> bool:  # gathered, or being gathered (nothing to gather: always)
+        return all(f.is_full for f in self.flats)
 
 
 class FSDPEngine(Engine):
@@ -234,8 +235,13 @@ class FSDPEngine(Engine):
             self.root.flats[0].extra = len(self._used)
         self._flags: torch.Tensor | None = None  # reduced used-flags of this step
         # [Note: one collective order on every rank] in schedule.py
-        self._schedule = Schedule(self.units[1:], self._unshard)
+        self._schedule = Schedule(self.units[1:], self._unshard, self._turn)
         self._ran: set[int] = set()  # units that ran in this forward
+        self._pending: _Unit | None = None  # ran last, freed when another unit starts
+        self._opaque: list[_Unit] = []  # ran without grad in this forward
+        # Parameters the forward's outputs reach since the last backward (by id)
+        self._expected: set[int] = set()
+        self._expect_fresh = True
         self._ready: set[int] = set()  # parameters whose gradient arrived in this backward
         self._names = {id(p): n for u in plans for n, p in u.params}
         # AllGathers on a group of their own: a rank that skips a unit reduces it later in
@@ -286,21 +292,65 @@ class FSDPEngine(Engine):
             f.full.untyped_storage().resize_(0)
 
     # -- forward ---------------------------------------------------------------------------
+    # [Note: freeing after forward]
+    # With reshard_after_forward a unit is freed once another unit starts (or the forward
+    # ends), not the moment its own forward returns: a unit called again at once
+    # (`x = layer(layer(x))`, a shared layer applied N times) then reuses its gathered
+    # parameters on whichever rank does so, and no rank issues an AllGather the others do
+    # not. A unit called again after another unit ran in between would need a second
+    # AllGather, and a rank that calls it fewer times has nothing to pair it with: its
+    # next AllGather would meet this one (a hang, a Gloo abort, or, for units of equal
+    # size, silently mixed weights). No rank can know what its peers will call without a
+    # collective per unit and a host read, so such a call is refused before it sends
+    # anything, on the rank that makes it; that rank's process ends, and its peers' next
+    # collective fails at once. One rank alone has no peer and gathers it again.
+    # With reshard_after_forward=false units stay gathered until backward: any number of
+    # calls, in any order.
     def _pre_forward(self, u: _Unit) -> None:
         if self._in_backward:  # [Note: activation checkpointing]
-            self._unshard(u)  # a no-op when its pre-backward hook has gathered it
+            if u.done and u is not self.root:  # a backward nested in this one
+                name = self._names[id(u.params[0])]
+                raise RuntimeError(
+                    f"parameter {name!r} would receive its gradient twice in one backward "
+                    f"(unit {u.name!r} recomputed after its gradients were reduced: reentrant "
+                    "checkpointing?); fsdp needs use_reentrant=False"
+                )
+            if u is not self.root:
+                self._schedule.before_backward(u)  # a no-op when its pre-backward gathered it
             self._wait(u)
             comm.record("recompute_begin", u.tag)
             return
         if u is self.root:
             self._ran = set()
+            self._opaque = []
             self._unshard(u)
             self._schedule.start_forward()  # prefetches the first unit
         else:
+            if self._pending not in (None, u):  # [Note: freeing after forward]
+                self._reshard(self._pending)
+                self._pending = None
+            if id(u) in self._ran and not u.is_full:  # [Note: freeing after forward]
+                self._refuse_or_regather(u)
             self._ran.add(id(u))
-            self._schedule.before_forward(u)  # catch up, u (again if freed), prefetch
+            if not torch.is_grad_enabled():  # maybe inside a reentrant checkpoint, whose
+                self._opaque.append(u)  # recomputation in backward gives it gradients
+            self._schedule.before_forward(u)  # catch up, u, prefetch
         self._wait(u)
         comm.record("forward_begin", u.tag)
+
+    def _refuse_or_regather(self, u: _Unit) -> None:
+        """`u` runs again in this forward after it was freed. One rank alone can gather it
+        again; with peers, that AllGather would have no partner on a rank that calls `u`
+        fewer times ([Note: freeing after forward])."""
+        if self.mesh.size == 1:
+            self._unshard(u)
+            return
+        raise ConfigError(
+            f"fsdp: unit {u.name!r} ran again on rank {self.rank} after it was freed in the "
+            "same forward (another unit ran in between); its AllGather would have no partner "
+            "on ranks that call it fewer times. Set mode.reshard_after_forward=false to keep "
+            "units gathered until backward, or call it only consecutively"
+        )
 
     def _post_forward(self, u: _Unit, output: Any) -> None:
         if self._in_backward:  # its backward needs the parameters next: keep them, add no hook
@@ -308,8 +358,7 @@ class FSDPEngine(Engine):
             return
         comm.record("forward_end", u.tag)
         grad = torch.is_grad_enabled()
-        if u is self.root:
-            self._schedule.end_forward()  # units this rank skipped at the end
+        outs = []
         if grad:
             outs = [
                 t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -318,16 +367,61 @@ class FSDPEngine(Engine):
                 register_multi_grad_hook(outs, lambda g, u=u: self._pre_backward(u), mode="any")
         if u is not self.root:
             if not grad or self.reshard_after_forward:
-                self._reshard(u)
-        elif not grad:  # no backward will follow: free everything now
+                if self._pending not in (None, u):
+                    self._reshard(self._pending)
+                self._pending = u  # freed when another unit starts, or the forward ends
+            return
+        self._schedule.end_forward()  # units this rank skipped at the end
+        if self._pending is not None:
+            self._reshard(self._pending)
+            self._pending = None
+        if not grad:  # no backward will follow: free everything now
             for v in self.units:
                 self._reshard(v)
-        else:  # skipped units: freed as the ranks that ran them freed them (or kept)
+            return
+        if self.reshard_after_forward:  # skipped: freed as the ranks that ran them freed them
             for v in self._schedule.units:
-                if id(v) not in self._ran and self.reshard_after_forward:
+                if id(v) not in self._ran:
                     self._reshard(v)
+        self._expect(outs)
+
+    def _expect(self, outputs: list[torch.Tensor]) -> None:
+        """Record which parameters this forward's outputs reach through the autograd graph:
+        those, and only those, get a gradient on this rank in the backward that follows
+        ([Note: one collective order on every rank] in schedule.py). As torch DDP's
+        find_unused_parameters, from the outputs; several forwards before one backward add
+        up."""
+        if self._expect_fresh:
+            self._expected.clear()
+            self._expect_fresh = False
+        seen: set[Any] = set()
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        self._expected.update(id(t) for t in outputs if t.grad_fn is None)  # leaves
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient
+            if leaf is not None:
+                self._expected.add(id(leaf))
+                continue
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        # Units that ran without grad inside a forward with grad: a reentrant checkpoint
+        # hides them from the graph until its recomputation. Expect all their gradients.
+        self._expected.update(id(p) for v in self._opaque for p in v.params)
 
     # -- backward --------------------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            # Units that get no gradient on this rank are done from the start: each is
+            # reduced (zeros, or what no_sync kept) at its turn in the one order.
+            for v in self._schedule.units:
+                v.expected = sum(id(p) in self._expected for p in v.params)
+                v.done = v.expected == 0
+            self.root.expected = len(self.root.params)
+        super()._begin_backward()
+
     def _pre_backward(self, u: _Unit) -> None:
         self._begin_backward()
         comm.record("backward_begin", u.tag)
@@ -347,18 +441,27 @@ class FSDPEngine(Engine):
                 f"parameter {self._names[id(p)]!r} received its gradient twice in one "
                 "backward (reentrant checkpointing?); fsdp needs use_reentrant=False"
             )
+        if u.done and u is not self.root:
+            # Its turn in the one order may have passed: the gradient would be lost.
+            raise RuntimeError(
+                f"parameter {self._names[id(p)]!r} received a gradient that the forward's "
+                "outputs do not lead to (used outside the model's forward, or reentrant "
+                "checkpointing?); fsdp reduces each unit once, at its turn"
+            )
         self._ready.add(id(p))
-        u.ready += 1
+        if id(p) in self._expected or u is self.root:
+            u.ready += 1
         # The root is reduced from the end-of-backward callback, last.
-        if u.ready == len(u.params) and not u.done and u is not self.root:
+        if u.ready == u.expected and u is not self.root:
             self._grads_done(u)
 
     def _grads_done(self, u: _Unit) -> None:
-        """All of `u`'s gradients exist (or none will come): free its parameters, then
-        reduce its gradients in schedule order, or keep them under no_sync."""
+        """All of `u`'s gradients exist (or none will come): free its parameters, keep its
+        gradients under no_sync, and let the one order go on (which reduces it at its
+        turn)."""
         u.done = True
         comm.record("grads_ready", u.tag)
-        self._reshard(u)  # first: the full parameters are gone before `flat` is allocated
+        self._reshard(u)  # first: the full parameters are gone before its gradient buffer
         if not self._sync:
             # no_sync: full gradients stay on the module parameters and keep accumulating
             # over micro-batches (in the reduce dtype when the parameters compute in a
@@ -366,9 +469,16 @@ class FSDPEngine(Engine):
             for f in u.flats:
                 for p in f.params:
                     self._sums.add(p, f.reduce_dtype)
-        elif u is not self.root:
-            for v in self._schedule.reducible():  # in order: those done, up to a gap
-                self._reduce(v)
+        if u is not self.root:
+            self._schedule.advance()
+
+    def _turn(self, u: _Unit) -> None:
+        """`u`'s turn in the backward order: free it if this rank gathered it only to keep
+        the order (a unit it gave no gradient), then ReduceScatter its gradients."""
+        if u.is_full:
+            self._reshard(u)
+        if self._sync:
+            self._reduce(u)
 
     def _reduce(self, u: _Unit) -> None:
         """ReduceScatter (average) `u`'s gradients into its shards' gradients."""
@@ -384,7 +494,9 @@ class FSDPEngine(Engine):
                 out, flat.input, average=True, tag=f.tag, group=self.mesh.shard
             )
             self._reducing.append((f, handle, out, flat))
-        # Earlier ReduceScatters ran while this unit computed: free their inputs.
+        # Earlier ReduceScatters ran while this unit computed: free their inputs. Safe to
+        # wait for: every rank issued them before anything this rank issued since
+        # ([Note: one collective order on every rank]).
         while len(self._reducing) > len(u.flats):
             self._release()
 
@@ -415,13 +527,13 @@ class FSDPEngine(Engine):
             f.shard_grad.add_(reduced)
 
     def _finish_backward(self) -> None:
-        # [Note: one collective order on every rank]: units no hook reached are gathered
-        # and reduced here, in schedule order, and the root (which carries the used-flags)
-        # last, so every rank issues the same collectives.
-        self._schedule.end_backward()
+        # [Note: one collective order on every rank]: units whose gradients did not all
+        # come are done now; the order's remaining events follow, and the root (which
+        # carries the used-flags) last, so every rank issues the same collectives.
         for u in self._schedule.units + [self.root]:
             if not u.done:
                 self._grads_done(u)
+        self._schedule.end_backward()
         if self._sync:
             self._reduce(self.root)
         while self._reducing:
@@ -439,6 +551,7 @@ class FSDPEngine(Engine):
             self._reshard(u)
             u.ready, u.done = 0, False
         self._ready.clear()
+        self._expect_fresh = True  # the next forward's graph says what the next backward gets
         self._schedule.reset_backward()
 
     def _flags_alone(self) -> torch.Tensor:

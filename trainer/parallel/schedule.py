@@ -1,51 +1,64 @@
 """fsdp's order of collectives, the same on every rank.
 
 [Note: one collective order on every rank]
-Ranks may run different units (control flow that depends on the rank or its data:
-a layer some ranks skip). Gathering and reducing units as they happen to run would
-then give the ranks different sequences of collectives, which pair up wrongly
-(equal-size units silently, others with a crash or a hang). So every collective
-follows one schedule that all ranks share, the units in registration order:
-  forward   each forward gathers every scheduled unit once, in order: a unit about
-            to run first gathers the units before it not yet gathered (ones this
-            rank skips), then itself, then prefetches the next; the root gathers
-            the rest when the forward ends. Skipped units are freed again.
-  backward  the same in reverse order: a unit's pre-backward hook gathers the units
-            after it not yet gathered, itself and the one before it; the
-            end-of-backward callback gathers those no hook reached.
-  reduce    ReduceScatters strictly in reverse order, as ddp's buckets: a unit whose
-            gradients are done waits for the units after it; those that get no
-            gradient are reduced (zeros) from the callback; the root comes last.
-A rank that skips a unit thus issues exactly the AllGathers and the ReduceScatters
-of a rank that runs it, each kind in the same order (they run on two process groups,
-since a skipping rank reduces later and so interleaves the two kinds differently),
-and contributes zeros to its gradient, as torch DDP with unused parameters.
+Ranks may run different units (control flow that depends on the rank or its data: a
+layer some ranks skip, an output some ranks leave out of the loss). Gathering and
+reducing units as they happen to run would give the ranks different sequences of
+collectives, which pair up wrongly (equal-size units silently, others with a crash or a
+hang). So every collective follows one schedule that all ranks share, the units in
+registration order:
+  forward   every scheduled unit is gathered once, in order: a unit about to run first
+            gathers the units before it not yet gathered (ones this rank skips, freed
+            when the forward ends), then itself, then prefetches the next; the root
+            gathers the rest when the forward ends.
+  backward  one sequence of events, in reverse order, that a rank running every unit
+            produces: AllGather(n-1), then for k = n-1 .. 0: AllGather(k-1),
+            ReduceScatter(k). A rank issues an event only in that order, and a
+            ReduceScatter only once the unit's gradients are done; a unit this rank
+            gives no gradient is done from the start of backward (the engine knows which
+            from the forward's autograd graph) and is reduced as zeros at its turn.
+Waiting is then safe: every rank waits only for collectives it issued itself, and all
+ranks issue the same collectives in the same order, so the oldest collective that any
+rank waits for has been issued by every rank. In particular fsdp's bounded number of
+ReduceScatters in flight (the wait for the oldest one, to free its input) can never wait
+for a ReduceScatter that another rank would issue only after an AllGather this rank has
+not issued yet: the order puts that ReduceScatter first on every rank.
+A prefetch that the order does not allow yet is simply issued later. A unit whose
+parameters are needed before its turn (`need`: an activation-checkpointed region
+recomputing several units at once) is gathered at once; the same model does the same on
+every rank, so the order stays common.
 What it costs: a model whose forward order differs from registration order gathers
-some units earlier than needed; a unit that no rank runs is still gathered. Not
-covered: a unit called more often on some ranks than on others after being freed
-in between (its extra gathers have no partner).
+some units earlier than needed; a unit that no rank runs is still gathered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
 class Schedule:
-    """The non-root units in registration order, with where this forward, this backward
-    and this backward's reductions have got to. `unshard(unit)` launches a unit's
-    AllGather unless it is gathered already."""
+    """The non-root units in registration order, with where this forward and this
+    backward have got to. `unshard(unit)` launches a unit's AllGather unless it is
+    gathered already; `reduce(unit)` is the unit's turn to be reduced (or freed)."""
 
-    def __init__(self, units: Sequence[Any], unshard: Callable[[Any], None]):
+    def __init__(
+        self,
+        units: Sequence[Any],
+        unshard: Callable[[Any], None],
+        reduce: Callable[[Any], None],
+    ):
         self.units = list(units)
-        self._unshard = unshard
+        self._unshard, self._reduce = unshard, reduce
         self._position = {id(u): i for i, u in enumerate(self.units)}
         self._fwd = 0  # next unit to gather in this forward
         self.reset_backward()
 
     def reset_backward(self) -> None:
-        self._bwd = self._rs = len(self.units) - 1  # next to gather / reduce, backwards
+        last = len(self.units) - 1
+        self._bwd = last  # next unit to gather, backwards
+        self._rs = last  # next unit to reduce, backwards
+        self._want = last + 1  # gather down to this unit when the order allows
 
     # -- forward: every unit gathered once, in order ----------------------------------------
     def start_forward(self) -> None:
@@ -54,12 +67,12 @@ class Schedule:
         self._gather_forward(0)
 
     def before_forward(self, u: Any) -> None:
-        """`u` is about to run: the units before it not yet gathered, `u`, the next one."""
+        """`u` is about to run: gather the units before it not yet gathered (skipped here,
+        kept until the forward ends), `u`, and the next one."""
         self._gather_forward(self._position[id(u)] + 1)
-        self._unshard(u)  # called again after it was freed
 
     def end_forward(self) -> None:
-        """The root's forward ends: the units this rank skipped at the end."""
+        """The root's forward ends: gather the units this rank skipped at the end."""
         self._gather_forward(len(self.units))
 
     def _gather_forward(self, upto: int) -> None:
@@ -67,30 +80,40 @@ class Schedule:
             self._unshard(self.units[self._fwd])
             self._fwd += 1
 
-    # -- backward: the same in reverse ---------------------------------------------------------
+    # -- backward: one sequence of events ------------------------------------------------------
     def start_backward(self) -> None:
         """The root's backward begins: prefetch the last unit."""
-        self._gather_backward(len(self.units) - 1)
+        self._want = min(self._want, len(self.units) - 1)
+        self.advance()
 
     def before_backward(self, u: Any) -> None:
-        """`u`'s backward is about to run: the units after it not yet gathered, `u`, and
-        the one before it."""
-        self._gather_backward(self._position[id(u)] - 1)
-        self._unshard(u)
+        """`u`'s backward (or its recomputation) is about to run: `u` is needed now, the
+        unit before it is prefetched."""
+        i = self._position[id(u)]
+        self._want = min(self._want, i - 1)
+        self.advance(need=i)
 
     def end_backward(self) -> None:
-        """The end-of-backward callback: the units no pre-backward hook reached."""
-        self._gather_backward(0)
+        """The end-of-backward callback, every unit done: the events left, in order."""
+        self._want = 0
+        self.advance(need=0)
 
-    def _gather_backward(self, downto: int) -> None:
-        while self._bwd >= max(downto, 0):
-            self._unshard(self.units[self._bwd])
-            self._bwd -= 1
-
-    # -- reductions: strictly in reverse order ----------------------------------------------
-    def reducible(self) -> Iterator[Any]:
-        """The units whose ReduceScatter may be launched now, in order: from the last
-        unit down, while each one's gradients are done (`unit.done`)."""
-        while self._rs >= 0 and self.units[self._rs].done:
-            yield self.units[self._rs]
-            self._rs -= 1
+    def advance(self, need: int | None = None) -> None:
+        """Issue the events that are due, in order: each unit's ReduceScatter once its
+        gradients are done and the AllGather before it is out; AllGathers down to the
+        wanted unit, each after the ReduceScatter two units later (the order of a rank
+        that runs every unit); and down to `need` whatever the order."""
+        while True:
+            k = self._rs
+            if k >= 0 and self.units[k].done and (k == 0 or self._bwd < k - 1):
+                self._reduce(self.units[k])
+                self._rs -= 1
+                continue
+            j = self._bwd
+            forced = need is not None and j >= need
+            due = j >= self._want and (j >= len(self.units) - 2 or self._rs <= j + 1)
+            if j >= 0 and (forced or due):
+                self._unshard(self.units[j])
+                self._bwd -= 1
+                continue
+            return
