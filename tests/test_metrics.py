@@ -86,3 +86,40 @@ def test_writer_lays_out_only_the_charts_a_run_logs(tmp_path):
             [("parameters per rank, MiB (max over ranks)", [r"^memory/params_MiB/max$"])],
         ),
     ]
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA L40", "L40"),
+        ("NVIDIA A10G", "A10G"),
+        ("Tesla V100-SXM2-32GB", "V100"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA A10", None),  # not an A10G
+        ("Some Future GPU", None),
+    ],
+)
+def test_peak_flops_names_the_whole_model(name, key, monkeypatch):
+    from trainer.metrics import PEAK_FLOPS, device_key, peak_flops
+
+    assert device_key(name) == key
+    # peak_flops reads the name from torch.cuda, here a stand-in
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    got = peak_flops(torch.device("cuda", 0), torch.bfloat16)
+    assert got == (None if key is None else PEAK_FLOPS[key].get(torch.bfloat16))
+
+
+def test_peak_flops_of_an_l40s_is_not_an_l4s():
+    from trainer.metrics import PEAK_FLOPS, device_key
+
+    # an L4's peak for an L40S would put its MFU about 3x too high
+    assert PEAK_FLOPS[device_key("NVIDIA L40S")][torch.bfloat16] == 362e12
+    assert PEAK_FLOPS[device_key("NVIDIA L4")][torch.bfloat16] == 121e12

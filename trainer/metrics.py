@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -183,12 +184,16 @@ def evaluate(
 
 # Dense peak FLOP/s of one device by name (vendor data sheets, no sparsity), by the dtype
 # of the matmuls. fp32 is the plain fp32 peak (TF32 tensor cores are off by default in
-# torch). Names are matched as substrings of torch.cuda.get_device_name(), first hit wins.
+# torch). A key is a whole model name inside torch.cuda.get_device_name(): bounded by
+# neither a letter nor a digit on either side, the longest key first, so "NVIDIA L40S"
+# is an L40S and not an L4 (see `device_key`).
 PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
     "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12},
     "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
+    "L40S": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12},
+    "L40": {torch.bfloat16: 181e12, torch.float16: 181e12, torch.float32: 90.5e12},
     "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 30.3e12},
     "A10G": {torch.bfloat16: 70e12, torch.float16: 70e12, torch.float32: 31.2e12},
     "V100": {torch.float16: 125e12, torch.float32: 15.7e12},
@@ -196,15 +201,21 @@ PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
 }
 
 
+def device_key(name: str) -> str | None:
+    """The PEAK_FLOPS key that names the device `name` (as torch.cuda.get_device_name()
+    gives it), or None. "NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40S" no L4."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
+            return key
+    return None
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """The device's peak FLOP/s for `dtype` matmuls; None on CPU or for an unknown GPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_FLOPS.items():
-        if key in name:
-            return peaks.get(dtype)
-    return None
+    key = device_key(torch.cuda.get_device_name(device))
+    return None if key is None else PEAK_FLOPS[key].get(dtype)
 
 
 class Rank0Writer:
