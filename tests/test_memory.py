@@ -140,7 +140,7 @@ def _logged(env):
     comm.stats.reset()
     engine, monitor = _one_step(env, "ddp", TINY, {})  # one step: one AllReduce counted
     metrics = IntervalMetrics(torch.device("cpu"), memory=monitor)
-    metrics.add(torch.tensor(1.0), torch.tensor(2.0), 4, step_time_s=0.1)
+    metrics.add(torch.tensor(1.0), torch.tensor(2.0), 4)
     return metrics.reduce()
 
 
