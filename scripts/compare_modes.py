@@ -177,7 +177,7 @@ def _pair(final: dict, kind: str) -> str:
 
 def _peak(final: dict) -> tuple[str, str]:
     """(the peak in MiB, what it is), whichever this run measured."""
-    for name, what in (("peak_step", "CPU step"), ("peak_cuda_allocated", "CUDA")):
+    for name, what in (("peak_step", "CPU step"), ("peak_cuda_allocated", "CUDA step")):
         if f"memory/{name}_MiB/max" in final:
             return _mib(final[f"memory/{name}_MiB/max"]), what
     return "-", ""
@@ -264,7 +264,7 @@ COMPARE_CHARTS = (
     ("compare/formula_model_state_MiB", "model state per rank, MiB (formula) - x: world size"),
     ("compare/saved_vs_ddp_MiB", "saved per rank vs ddp, MiB (measured) - x: world size"),
     ("compare/peak_step_MiB", "peak per rank, MiB (CPU: one step's high point) - x: world size"),
-    ("compare/peak_cuda_allocated_MiB", "peak per rank, MiB (CUDA max allocated) - x: world size"),
+    ("compare/peak_cuda_allocated_MiB", "peak per rank, MiB (CUDA: one step) - x: world size"),
     ("compare/sent_per_step_MiB", "sent per rank per step, MiB (measured) - x: world size"),
 )
 COMPARE_CATEGORY = "modes side by side (x: world size; one line per mode)"

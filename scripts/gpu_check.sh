@@ -2,11 +2,13 @@
 # Run each mode for a few steps on the GPUs with NCCL (one rank per GPU) and compare the
 # final parameters with a CPU Gloo run of the same steps on as many ranks; the GPU run
 # also writes a profiler trace. One line per check, then a verdict; the exit status is 0
-# only if every check ran and matched.
+# only if every check ran and matched. On one GPU it is one rank against one: the verdict
+# says that no collective between ranks was exercised.
 #
 #   scripts/gpu_check.sh [--cpu] [steps] [extra Hydra overrides for both runs...]
 #   scripts/gpu_check.sh 20 precision=bf16         # bf16 gets a looser tolerance, below
 #   scripts/gpu_check.sh --cpu 4 model.hidden=32   # no GPU: Gloo (2 ranks) against Gloo
+#   CPU_RANKS=1 scripts/gpu_check.sh --cpu 4       # the one-rank path, as on one GPU
 #
 # --cpu runs the same logic with Gloo on both sides, so the script itself is tested
 # where no GPU is (tests/test_gpu_check.py). Environment:
@@ -15,6 +17,7 @@
 #            2e-2 with precision=bf16|fp16: their kernels round differently on GPU and
 #            CPU, and cuBLAS reduces bf16 products in reduced precision by default)
 #   MODES    modes to check (default "ddp zero fsdp")
+#   CPU_RANKS  ranks of a --cpu run (default 2)
 #   CHECKED_OVERRIDES  Hydra overrides for the run under test only (tests use them to
 #            make it differ from or fail against the reference)
 #   PY       the Python to use (default .venv/bin/python, else python3)
@@ -35,10 +38,14 @@ PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 
 if [ "$cpu" = 1 ]; then
-  nproc=2
+  nproc=${CPU_RANKS:-2}
+  case "$nproc" in
+    '' | *[!0-9]* | 0*) echo "gpu_check: CPU_RANKS must be a positive integer, got '$nproc'" >&2; exit 2 ;;
+  esac
   checked=(dist.backend=gloo)
   checked_env=(CUDA_VISIBLE_DEVICES=)
   what="Gloo vs CPU Gloo (--cpu)"
+  single="1 rank: single rank, no Gloo collective between ranks was exercised"
 else
   nproc=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   if [ "$nproc" -lt 1 ]; then
@@ -48,7 +55,12 @@ else
   checked=(dist.backend=nccl)
   checked_env=()
   what="NCCL vs CPU Gloo"
+  single="1 GPU: single rank, no NCCL collective between ranks was exercised"
 fi
+# One rank compares the modes' arithmetic on the device only: nothing is sent, and the
+# verdict says so.
+verdict="$what"
+[ "$nproc" = 1 ] && verdict="$what; $single"
 
 tol=${TOL:-1e-3}
 if [ -z "${TOL:-}" ]; then
@@ -110,7 +122,7 @@ PYEOF
 done
 
 if [ ${#failed[@]} -eq 0 ]; then
-  echo "gpu_check: PASS (${MODES:-ddp zero fsdp}; $what)"
+  echo "gpu_check: PASS (${MODES:-ddp zero fsdp}; $verdict)"
 else
   echo "gpu_check: FAIL (${failed[*]})"
   exit 1

@@ -48,6 +48,26 @@ def test_a_mismatch_fails_the_check(tmp_path):
     assert lines[-1] == "gpu_check: FAIL (ddp)"
 
 
+def test_one_rank_passes_saying_no_collective_was_exercised(tmp_path):
+    # One GPU runs one rank against one: the modes' arithmetic is compared, but nothing
+    # went between ranks, and a plain PASS would claim more than was checked.
+    proc = _check(tmp_path, 2, MODES="ddp", CPU_RANKS="1")
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert lines[0].startswith("ddp: OK 1 rank(s) Gloo vs CPU Gloo (--cpu), max |dparam|")
+    assert lines[1] == (
+        "gpu_check: PASS (ddp; Gloo vs CPU Gloo (--cpu); "
+        "1 rank: single rank, no Gloo collective between ranks was exercised)"
+    )
+
+
+def test_the_gpu_verdict_names_what_one_gpu_leaves_unchecked():
+    # The same branch on a GPU machine, which this suite has not: the wording it prints
+    text = SCRIPT.read_text()
+    assert 'single="1 GPU: single rank, no NCCL collective between ranks was exercised"' in text
+    assert '[ "$nproc" = 1 ] && verdict="$what; $single"' in text
+
+
 def test_a_failed_run_fails_the_check(tmp_path):
     proc = _check(tmp_path, 2, MODES="ddp zero", CHECKED_OVERRIDES="optim.schedule=linear")
     lines = proc.stdout.splitlines()
@@ -68,3 +88,15 @@ def test_bad_steps_are_refused_in_one_line(steps):
     )
     assert proc.returncode == 2
     assert proc.stderr == f"gpu_check: steps must be a positive integer, got '{steps}'\n"
+
+
+def test_bad_cpu_ranks_are_refused_in_one_line():
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CPU_RANKS": "0"},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == "gpu_check: CPU_RANKS must be a positive integer, got '0'\n"

@@ -118,7 +118,8 @@ def test_a_rank_that_left_a_parameter_unused_reads_the_used_flags(reads, mode):
 def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
     """The trainer's own loop, 12 steps, logging every 4: which host reads it makes, in
     fp32 and in fp16 (whose first steps overflow and are skipped, with a warm-up and
-    cosine schedule that must not advance on them)."""
+    cosine schedule that must not advance on them), and in fp32 with an eval and a
+    checkpoint between log points."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -142,8 +143,10 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
         "optim.schedule=cosine",
         "optim.warmup_steps=3",
     ]
+    # an eval and a checkpoint at step 6, between log points
+    between = ["train.eval_every=6", "train.eval_batches=1", "ckpt.every=6"]
     out = {}
-    for name, extra in (("fp32", []), ("fp16", fp16)):
+    for name, extra in (("fp32", []), ("fp16", fp16), ("between", between)):
         with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
             cfg = compose("config", overrides=overrides + extra)
         # No Hydra run here: the run directory is the test's.
@@ -154,14 +157,26 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
     return out
 
 
+# The reads and device waits of 12 steps logged every 4: a check before the first step,
+# then per interval: the step clock's wait when its first step starts, the check step
+# and the clock's wait at the log step ([Note: timing steps] in trainer/metrics.py).
+LOOP_READS = ["check step"] + ["step clock", "check step", "step clock"] * 3
+
+
 def test_the_training_loop_reads_the_device_at_check_steps_only(tmp_path):
     # 12 steps, checks before the first step (a SIGTERM during set-up) and at 4, 8 and 12
     # (log steps; the last step): the non-finite loss and SIGTERM agreement is read
-    # there and nowhere else. fp16 also reads what its checkpoint at the end saves (the
-    # steps the schedule took, the loss scaler) and its count of skipped steps for the
-    # summary.
+    # there and nowhere else. The step clock waits for the device at the first step of
+    # each interval (1, 5, 9) and at each log step, in no other step. fp16 also reads
+    # what its checkpoint at the end saves (the steps the schedule took, the loss
+    # scaler) and its count of skipped steps for the summary.
     runs = run_distributed(_train_and_count, 2, str(tmp_path))[0]
-    assert runs["fp32"][0] == ["check step"] * 4
+    assert runs["fp32"][0] == LOOP_READS
     where, final = runs["fp16"]
-    assert where == ["check step"] * 4 + ["lr schedule", "loss scaler", "loss scaler"]
+    assert where == LOOP_READS + ["lr schedule", "loss scaler", "loss scaler"]
     assert 0 < final["overflow_steps"] < 12  # some steps were skipped, on the device
+    # Step 6 is a check step (a checkpoint) inside the second interval: its check, then
+    # the step clock's two waits around the eval and the checkpoint, left out of the
+    # step time. At step 12 the clock has stopped: no wait around the last checkpoint.
+    between = LOOP_READS[:5] + ["check step", "step clock", "step clock"] + LOOP_READS[5:]
+    assert runs["between"][0] == between

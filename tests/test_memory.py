@@ -140,7 +140,7 @@ def _logged(env):
     comm.stats.reset()
     engine, monitor = _one_step(env, "ddp", TINY, {})  # one step: one AllReduce counted
     metrics = IntervalMetrics(torch.device("cpu"), memory=monitor)
-    metrics.add(torch.tensor(1.0), torch.tensor(2.0), 4, step_time_s=0.1)
+    metrics.add(torch.tensor(1.0), torch.tensor(2.0), 4)
     return metrics.reduce()
 
 
@@ -342,3 +342,100 @@ def test_bandwidth_uses_nccl_tests_factors():
     assert mixed["comm/algbw_GBps"] == pytest.approx(8.0)
     assert mixed["comm/busbw_GBps"] == pytest.approx(6.0)
     assert bandwidth({}, 1.0, 4) == {} and bandwidth({"all_reduce": 1.0}, 0.0, 4) == {}
+
+
+class _FakeAllocator:
+    """torch.cuda's peak statistics as the caching allocator keeps them, on the host:
+    bytes allocated now, the peak since the last reset, and every call made."""
+
+    def __init__(self) -> None:
+        self.allocated = self.peak = 0
+        self.calls: list[str] = []
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.calls.append("reset")
+        self.peak = self.allocated
+
+    def max_memory_allocated(self, device=None) -> int:
+        self.calls.append("read")
+        return self.peak
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = _FakeAllocator()
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
+    return fake
+
+
+def _cuda_step(fake: _FakeAllocator, model, optimizer, transient: int) -> None:
+    """One training step: forward (the window opens), `transient` bytes allocated and
+    freed, the optimizer step (the window closes)."""
+    fake.calls.append("forward")
+    model(torch.ones(1, 2))
+    fake.alloc(transient)
+    fake.free(transient)
+    fake.calls.append("step")
+    optimizer.step()
+
+
+def test_cuda_peak_is_reset_at_the_sampled_step_and_read_at_its_end(fake_cuda):
+    from trainer.memory import CudaStepPeak
+
+    fake = fake_cuda
+    fake.alloc(1000)  # engine construction: a broadcast buffer, the unsharded model
+    fake.free(900)  # 100 bytes of model state stay
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = CudaStepPeak(model, optimizer, torch.device("cuda", 0))
+
+    _cuda_step(fake, model, optimizer, 200)  # sampled: 100 held + 200 transient
+    _cuda_step(fake, model, optimizer, 5000)  # not sampled: one step per interval
+    assert fake.calls == ["forward", "reset", "step", "read", "forward", "step"]
+    assert sampler.take() == 300  # the step's peak, not the process's 1000 or 5000
+
+    fake.calls.clear()
+    _cuda_step(fake, model, optimizer, 50)  # the next interval's sampled step
+    assert fake.calls == ["forward", "reset", "step", "read"]
+    assert sampler.take() == 150  # it falls with the step
+    assert sampler.take() is None  # no step sampled since
+
+    model.eval()
+    fake.calls.clear()
+    model(torch.ones(1, 2))  # eval forwards open no window
+    assert fake.calls == []
+    fake.alloc(10)  # held from now on: 110
+    model.train()
+    model(torch.ones(1, 2))  # a step whose optimizer step is skipped: still open at take()
+    fake.alloc(40)
+    assert sampler.take() == 150 and fake.calls == ["reset", "read"]
+
+
+def test_monitor_reports_the_cuda_step_peak(fake_cuda):
+    from trainer.memory import CudaStepPeak, MemoryMonitor
+
+    class OnCuda(torch.nn.Linear):  # parameters that say they live on a GPU
+        def parameters(self, recurse: bool = True):
+            yield SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: 4)
+
+    model = OnCuda(2, 2)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    engine = SimpleNamespace(module=model, optimizer=optimizer, state_tensors=dict)
+    monitor = MemoryMonitor(engine, numel=6)
+    assert isinstance(monitor._step_peak, CudaStepPeak)
+    fake_cuda.alloc(4 * MiB)  # before the step: a peak the figure must not carry
+    fake_cuda.free(3 * MiB)
+    _cuda_step(fake_cuda, model, optimizer, 2 * MiB)
+    peak = monitor.peak()
+    assert peak == 3 * MiB
+    row = dict.fromkeys(["params", "master", "grads", "optimizer", "comm", "model_state"], 0)
+    out = report([{**row, "peak": peak}], None, "cuda")
+    assert out["memory/peak_cuda_allocated_MiB/max"] == 3.0

@@ -147,9 +147,11 @@ def _evaluate(env, mode: str) -> dict:
 def _metrics(env) -> dict | None:
     from trainer.metrics import IntervalMetrics
 
-    m = IntervalMetrics(torch.device("cpu"), flops_per_token=600.0, peak_flops=1e6)
+    clock = iter([10.0, 10.5]).__next__  # the interval starts at 10 s and ends at 10.5 s
+    m = IntervalMetrics(torch.device("cpu"), flops_per_token=600.0, peak_flops=1e6, clock=clock)
     # 8 sequences of 8 tokens per rank in 0.5 s; the grad norm is the same on every rank
-    m.add(torch.tensor(1.0), torch.tensor(32.0), 64, 0.5, samples=8, grad_norm=torch.tensor(2.0))
+    m.start_step()
+    m.add(torch.tensor(1.0), torch.tensor(32.0), 64, samples=8, grad_norm=torch.tensor(2.0))
     return m.reduce()
 
 

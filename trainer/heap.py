@@ -78,13 +78,16 @@ class StepPeak:
     collectives and the optimizer. `held()` gives the bytes of model state and
     communication buffers alive at the start, counted from their storages. One step per
     arming: the dispatch mode slows every op it sees, so the other steps run without it.
+    A subclass measures the same window another way (`_begin`, `_now`, `_end`): the
+    CUDA allocator's peak, `memory.CudaStepPeak`.
     """
 
-    def __init__(self, module, optimizer, held: Callable[[], int]):
+    def __init__(self, module, optimizer, held: Callable[[], int] | None = None):
         self._held = held
         self._mode: HeapPeak | None = None
         self._base = 0  # bytes held when the sampled step started
         self._armed = True
+        self._sampling = False
         self._peak: int | None = None  # highest figure since the last take()
         module.register_forward_pre_hook(self._start, prepend=True)
         optimizer.register_step_post_hook(self._stop)
@@ -92,29 +95,41 @@ class StepPeak:
     def arm(self) -> None:
         self._armed = True
 
-    def _start(self, module, args) -> None:
-        if not (self._armed and module.training) or self._mode is not None:
-            return  # eval, steps between samples, or later micro-batches of the sampled step
-        self._armed = False
+    def _begin(self) -> None:
         self._base = self._held()
         self._mode = HeapPeak()
         self._mode.__enter__()
 
-    def _stop(self, *_: object) -> None:
-        if self._mode is None:
-            return
+    def _now(self) -> int:
+        """The sampled step's peak so far."""
+        return self._base + self._mode.growth
+
+    def _end(self) -> None:
         self._mode.__exit__(None, None, None)
-        self._record()
         self._mode = None
 
+    def _start(self, module, args) -> None:
+        if not (self._armed and module.training) or self._sampling:
+            return  # eval, steps between samples, or later micro-batches of the sampled step
+        self._armed = False
+        self._sampling = True
+        self._begin()
+
+    def _stop(self, *_: object) -> None:
+        if not self._sampling:
+            return
+        self._record()
+        self._end()
+        self._sampling = False
+
     def _record(self) -> None:
-        now = self._base + self._mode.growth
+        now = self._now()
         self._peak = now if self._peak is None else max(self._peak, now)
 
     def take(self) -> int | None:
         """Highest step peak since the last call (None: no step sampled), and arm the
         next step. A step still being sampled (its optimizer step skipped) counts so far."""
-        if self._mode is not None:
+        if self._sampling:
             self._record()
         peak, self._peak = self._peak, None
         self.arm()

@@ -6,7 +6,8 @@ stops overlapping compute. torch DDP and FSDP2 make none in a steady step, and n
 do the engines here, in any precision (fp16 decides on the device whether to skip a
 step; only an optimizer that cannot skip by itself makes the host read that flag, see
 [Note: dynamic loss scaling] in precision.py). Reads belong at log intervals,
-checkpoints and errors.
+checkpoints and errors. So do waits for the whole device (`synchronize`): the step clock
+makes one at each end of a logging interval ([Note: timing steps] in metrics.py).
 Going through these functions lets a test count them (`counting()`).
 """
 
@@ -44,6 +45,14 @@ def tolist(t: torch.Tensor, why: str) -> list:
     """`t.tolist()`, counted."""
     _count(why)
     return t.tolist()
+
+
+def synchronize(device: torch.device, why: str) -> None:
+    """Wait until `device` has run everything queued on it (a no-op off CUDA: CPU ops
+    are done when they return), counted as a read."""
+    _count(why)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextmanager

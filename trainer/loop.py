@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -67,14 +66,18 @@ def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     with maybe_profile(cfg.profile, run.run_dir, env.rank) as prof:
         for step in range(start + 1, cfg.train.steps + 1):
             train_step(run, step)
-            stop = check_step(run, step) if is_check_step(cfg, step) else False
+            checked = is_check_step(cfg, step)  # checkpoints are saved at check steps only
+            stop = check_step(run, step) if checked else False
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 log_metrics(run, step)
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                run_eval(run, step)
-            path = checkpoint.maybe_save(
-                cfg, run.engine, run.run_dir, step, force=stop, **run.resumable
-            )
+            evals = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
+            # eval and checkpoints between log points stay out of the step time
+            with run.metrics.untimed() if checked or evals else nullcontext():
+                if evals:
+                    run_eval(run, step)
+                path = checkpoint.maybe_save(
+                    cfg, run.engine, run.run_dir, step, force=stop, **run.resumable
+                )
             run.bar.update(1)
             prof.step()
             if stop and step < cfg.train.steps:
@@ -172,8 +175,8 @@ def train_step(run: Run, step: int) -> None:
     """One optimizer step, or a skipped one. No host reads in a steady step: see
     [Note: checking the loss without a host sync] in guard.py."""
     cfg, engine = run.cfg, run.engine
+    run.metrics.start_step()  # the interval's first step syncs once: [Note: timing steps]
     inputs, targets = (t.to(run.env.device, non_blocking=True) for t in next(run.batches))
-    t0 = time.perf_counter()
     loss, correct = forward_backward(engine, inputs, targets, cfg.train.grad_accum_steps)
     if cfg.train.on_nonfinite == "skip":
         if not run.guard.finite_now(loss):
@@ -194,7 +197,6 @@ def train_step(run: Run, step: int) -> None:
         loss,
         correct,
         targets.numel(),
-        time.perf_counter() - t0,
         samples=targets.shape[0],
         grad_norm=grad_norm,
         stepped=stepped,

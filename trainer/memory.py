@@ -15,11 +15,17 @@ counts as nothing. The monitor measures from an optimizer step post-hook, the mo
 when parameters, gradients and optimizer state all exist (fsdp drops its gradient
 shards right after the step), and keeps the per-kind maximum over the logging interval.
 Transient buffers that live only inside forward/backward (fsdp's gathered units) are
-not in that snapshot; the peak is: `torch.cuda.max_memory_allocated` on GPU
-(`peak_cuda_allocated`), on CPU the high point of one training step per logging interval
-(`peak_step`): the storages alive at its start plus the C heap's growth during it
-([Note: the CPU step peak] in trainer/heap.py). Not the process's resident set, which
-is about 1 GB of torch libraries in every mode. (`peak_bytes()` below reads that.)
+not in that snapshot; the peak is: the high point of one training step per logging
+interval, the first after each log point, from its first forward to the end of its
+optimizer step. On CPU (`peak_step`) the storages alive at its start plus the C heap's
+growth during it ([Note: the CPU step peak] in trainer/heap.py); on GPU
+(`peak_cuda_allocated`) the CUDA allocator's peak, reset when that step starts
+(`torch.cuda.reset_peak_memory_stats`) and read when it ends (`CudaStepPeak`): without
+the reset it would be the peak since the process started (the broadcast at engine
+construction, the whole model before fsdp shards it), and never fall. Both are host-side
+allocator figures, read without a device sync. Not the process's resident set, which is
+about 1 GB of torch libraries in every mode. (`peak_bytes()` below reads that, and the
+CUDA peak since the start.)
 
 [Note: the expected figures]
 Per rank, for Ψ parameters computing in b bytes (4 fp32, 2 bf16/fp16), gradients reduced
@@ -95,7 +101,9 @@ def _held(engine: Any) -> tuple[dict[str, int], torch.device]:
 
 
 def peak_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on GPU, RSS high-water mark on CPU."""
+    """Peak memory of this process: the CUDA allocator's peak on GPU (since the process
+    started, or since the last reset: a training run resets it at each sampled step, see
+    `CudaStepPeak`), the RSS high-water mark on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     try:
@@ -263,6 +271,27 @@ def gather_to_rank0(values: dict[str, int], device: torch.device) -> list[dict[s
     return [dict(zip(FIELDS, r.tolist(), strict=True)) for r in rows]
 
 
+class CudaStepPeak(heap.StepPeak):
+    """The CUDA allocator's peak over the window of `heap.StepPeak` (one training step
+    per arming): its peak statistic is reset when the step starts, so what is read when
+    it ends is that step's high point, model state alive at its start included (the
+    reset sets the peak to the bytes allocated then). Allocator bookkeeping only: no
+    device sync."""
+
+    def __init__(self, module, optimizer, device: torch.device):
+        super().__init__(module, optimizer)
+        self.device = device
+
+    def _begin(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _now(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def _end(self) -> None:
+        pass
+
+
 class MemoryMonitor:
     """Measures this rank after each optimizer step; `gather()` brings every rank's figures
     and the expected ones to rank 0 as TensorBoard scalars.
@@ -283,7 +312,9 @@ class MemoryMonitor:
         self._step_peak: heap.StepPeak | None = None
         if optimizer is not None:
             optimizer.register_step_post_hook(lambda *_: self.update())
-            if self.device.type == "cpu" and heap.available():
+            if self.device.type == "cuda":
+                self._step_peak = CudaStepPeak(engine.module, optimizer, self.device)
+            elif self.device.type == "cpu" and heap.available():
                 self._step_peak = heap.StepPeak(engine.module, optimizer, self._held_bytes)
 
     def update(self) -> None:
@@ -317,10 +348,9 @@ class MemoryMonitor:
         return expected_traffic_across(self.engine.name, self.numel, self.grad_bytes, p, s)
 
     def peak(self) -> int | None:
-        """This rank's peak bytes: CUDA allocator peak on GPU; on CPU the highest sampled
-        step peak since the last call ([Note: the CPU step peak]); None if unknown."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+        """This rank's peak bytes in the step sampled since the last call: the CUDA
+        allocator's peak on GPU, the CPU step peak on CPU ([Note: what is measured, and
+        when]); None if unknown or no step was sampled."""
         return self._step_peak.take() if self._step_peak is not None else None
 
     def gather(self) -> dict[str, float]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer import comm
+from trainer import comm, host
 from trainer.memory import MemoryMonitor, bandwidth
 from trainer.models import accuracy, loss_fn
 from trainer.tb_layout import run_layout
@@ -21,7 +24,8 @@ _FIELDS = (
     "correct",
     "predictions",  # targets.numel(): samples for a classifier, tokens for a language model
     "samples",
-    "step_time_s",
+    "wall_s",  # the interval's wall time, between two synchronised points
+    "timed_steps",  # steps run in it, skipped ones included
     "steps",
     "grad_norm_sum",
     "grad_norm_steps",
@@ -30,11 +34,29 @@ _FIELDS = (
 )
 
 
+# [Note: timing steps]
+# A steady step only queues work on a GPU: nothing in it waits for the device (see
+# trainer/host.py), so host time around one step is the time to queue it, not to run it.
+# The step clock times a logging interval instead, between two points where the device
+# has caught up: `start_step()` synchronises it when the interval's first step begins
+# (after the previous log point's metrics, eval and checkpoint, left out of the figure)
+# and `reduce()` at the log point, before the metrics go out. Two waits per interval,
+# none inside a steady step. `perf/step_time_s` is that wall time over the steps run in
+# the interval (skipped ones too: they took the time), the mean over ranks; samples/s,
+# tokens/s and MFU are the samples and tokens of the steps taken over the same wall
+# time. Eval and checkpoints that fall between log points are left out by `untimed()`,
+# which synchronises on entering and leaving them (at those steps only). On CPU a
+# synchronize is a no-op and the same code runs. The first interval starts at the run's
+# first step (after a resume: its first step), not at set-up; it includes what the first
+# step alone pays (optimizer state, the allocator warming up), which its figure shows.
+
+
 class IntervalMetrics:
     """Sums this rank's figures between two logging points.
 
     `flops_per_token` (6Ψ: forward 2Ψ, backward 4Ψ per prediction) and `peak_flops` (one
     device's peak, see `peak_flops`) add model FLOPs utilisation when both are known.
+    `clock` times the interval ([Note: timing steps]).
     """
 
     def __init__(
@@ -43,19 +65,45 @@ class IntervalMetrics:
         memory: MemoryMonitor | None = None,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.device = device
         self.memory = memory  # per-rank memory figures, gathered at the same points
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.clock = clock
         self._sums = dict.fromkeys(_FIELDS, 0.0)
+        self._started: float | None = None  # the clock when the interval's first step began
+
+    def start_step(self) -> None:
+        """At the top of every training step, skipped ones too. The interval's first
+        synchronises the device and starts its clock ([Note: timing steps])."""
+        if self._started is None:
+            host.synchronize(self.device, "step clock")
+            self._started = self.clock()
+        self._sums["timed_steps"] += 1
+
+    @contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Leave the block's wall time out of the interval (eval, a checkpoint): the
+        device is synchronised on entering and on leaving it. Nothing to leave out, and no
+        wait, while no interval is being timed (right after a log point)."""
+        if self._started is None:
+            yield
+            return
+        host.synchronize(self.device, "step clock")
+        paused = self.clock()
+        try:
+            yield
+        finally:
+            host.synchronize(self.device, "step clock")
+            self._started += self.clock() - paused
 
     def add(
         self,
         loss: torch.Tensor,
         correct: torch.Tensor,
         predictions: int,
-        step_time_s: float,
         samples: int | None = None,
         grad_norm: torch.Tensor | None = None,
         stepped: bool | torch.Tensor = True,
@@ -69,7 +117,6 @@ class IntervalMetrics:
         self._sums["correct"] = self._sums["correct"] + correct.detach()
         self._sums["predictions"] += predictions
         self._sums["samples"] += predictions if samples is None else samples
-        self._sums["step_time_s"] += step_time_s
         self._sums["steps"] += 1
         if grad_norm is None or stepped is False:
             return
@@ -84,6 +131,10 @@ class IntervalMetrics:
         """Sum every rank's figures into rank 0; return averages there, None elsewhere.
         `latest`: values to report as they are on rank 0 (the lr, the loss scale: floats or
         device tensors), read in the same transfer."""
+        if self._started is not None:  # the interval ends when the device has caught up
+            host.synchronize(self.device, "step clock")
+            self._sums["wall_s"] = self.clock() - self._started
+        self._started = None
         comm.stats.settle()  # CUDA: read the event timings of finished collectives
         self._sums["comm_busy_s"] = comm.stats.busy_s
         self._sums["comm_exposed_s"] = comm.stats.exposed_s
@@ -115,19 +166,20 @@ class IntervalMetrics:
         if s["samples"] == 0:  # every step of the interval was skipped
             return {}
         p = comm.world_size()
-        # every rank's step took about the same wall time: use the mean over ranks
-        wall_s = s["step_time_s"] / p
         out = {
             "train/loss": s["loss_sum"] / s["predictions"],
             "train/accuracy": s["correct"] / s["predictions"],
-            "perf/step_time_s": s["step_time_s"] / s["steps"],
-            "perf/samples_per_s": s["samples"] / wall_s,
-            "perf/tokens_per_s": s["predictions"] / wall_s,
         }
+        # every rank ran the interval in about the same wall time: the mean over ranks
+        wall_s = s["wall_s"] / p
+        if wall_s > 0:  # timed with start_step() ([Note: timing steps])
+            out["perf/step_time_s"] = wall_s / (s["timed_steps"] / p)
+            out["perf/samples_per_s"] = s["samples"] / wall_s
+            out["perf/tokens_per_s"] = s["predictions"] / wall_s
         if s["grad_norm_steps"]:
             out["train/grad_norm"] = s["grad_norm_sum"] / s["grad_norm_steps"]
         out.update(rank0)
-        if self.flops_per_token and self.peak_flops:
+        if self.flops_per_token and self.peak_flops and wall_s > 0:
             # achieved model FLOP/s per device over its peak
             achieved = self.flops_per_token * out["perf/tokens_per_s"] / p
             out["perf/mfu_pct"] = 100.0 * achieved / self.peak_flops
@@ -183,12 +235,16 @@ def evaluate(
 
 # Dense peak FLOP/s of one device by name (vendor data sheets, no sparsity), by the dtype
 # of the matmuls. fp32 is the plain fp32 peak (TF32 tensor cores are off by default in
-# torch). Names are matched as substrings of torch.cuda.get_device_name(), first hit wins.
+# torch). A key is a whole model name inside torch.cuda.get_device_name(): bounded by
+# neither a letter nor a digit on either side, the longest key first, so "NVIDIA L40S"
+# is an L40S and not an L4 (see `device_key`).
 PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
     "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12},
     "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
+    "L40S": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12},
+    "L40": {torch.bfloat16: 181e12, torch.float16: 181e12, torch.float32: 90.5e12},
     "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 30.3e12},
     "A10G": {torch.bfloat16: 70e12, torch.float16: 70e12, torch.float32: 31.2e12},
     "V100": {torch.float16: 125e12, torch.float32: 15.7e12},
@@ -196,15 +252,21 @@ PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
 }
 
 
+def device_key(name: str) -> str | None:
+    """The PEAK_FLOPS key that names the device `name` (as torch.cuda.get_device_name()
+    gives it), or None. "NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40S" no L4."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
+            return key
+    return None
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """The device's peak FLOP/s for `dtype` matmuls; None on CPU or for an unknown GPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_FLOPS.items():
-        if key in name:
-            return peaks.get(dtype)
-    return None
+    key = device_key(torch.cuda.get_device_name(device))
+    return None if key is None else PEAK_FLOPS[key].get(dtype)
 
 
 class Rank0Writer:
