@@ -30,6 +30,14 @@ def check_fit(model: nn.Module, dataset: Dataset, model_name: str, data_name: st
     model.eval()
     try:
         out = model(x.unsqueeze(0).to(device))  # (1, C) or (1, T, V)
+        if hasattr(dataset, "max_token"):  # token files: every id, read a chunk at a time
+            top, vocab = dataset.max_token(), dataset.data_vocab_size()
+            if top >= out.shape[-1]:
+                raise ConfigError(
+                    f"{what}: token id {top} is at or above the model's vocabulary size "
+                    f"{out.shape[-1]} (the data's vocabulary size: {vocab}); set "
+                    f"model.vocab_size to at least {top + 1}"
+                )
         targets = _targets(dataset)
         top = int(targets.max()) if targets is not None else int(y.max())
         if top >= out.shape[-1]:
