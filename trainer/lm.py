@@ -167,3 +167,39 @@ def load_exported(directory: Path) -> nn.Module:
         load_model(model, str(directory / "model.safetensors"))
         return model
     return hf_causal_lm(str(directory))
+
+
+def run_model(path: Path) -> tuple[nn.Module, Path, str]:
+    """The model of a run directory (its newest checkpoint, else final_model.pt) or of one
+    checkpoint directory, on one process whatever mode and world size saved it: (model in
+    eval mode, the run's model/ directory, what was loaded)."""
+    from omegaconf import OmegaConf
+
+    from trainer import checkpoint
+
+    path = Path(path)
+    if (path / "meta.pt").is_file():  # one checkpoint: <run dir>/checkpoints/step_N
+        found, model_dir = [path], path.parent.parent / "model"
+    else:
+        if not path.is_dir():
+            raise ConfigError(f"{path} is neither a run directory nor a checkpoint")
+        ckpt_dir = path / "checkpoints"
+        saved = path / ".hydra" / "config.yaml"
+        if saved.is_file() and OmegaConf.load(saved).get("ckpt", {}).get("dir"):
+            ckpt_dir = Path(OmegaConf.load(saved).ckpt.dir)
+        found, model_dir = checkpoint.find_checkpoints(ckpt_dir), path / "model"
+        if not found and not (path / "final_model.pt").is_file():
+            raise ConfigError(f"run {path} has no checkpoint (none under {ckpt_dir})")
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{model_dir / 'config.json'} is missing: the run did not train a language model "
+            "(model=gpt or model=hf), or the checkpoint is not inside its run directory"
+        )
+    model = build_from_config(model_dir)
+    if found:
+        state, source = checkpoint.consolidate(found[0]), str(found[0])
+    else:
+        source = str(path / "final_model.pt")
+        state = torch.load(source, weights_only=True)
+    model.load_state_dict(state)
+    return model.eval(), model_dir, source
