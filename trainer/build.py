@@ -24,12 +24,7 @@ def model_and_data(
     torch.manual_seed(cfg.seed): datasets draw from their own generators."""
     what = f"model={names[0]} does not fit data={names[1]}"
     dataset = instantiate(cfg.data.dataset)
-    sizes = {}
-    if "vocab_size" in cfg.model and cfg.model.vocab_size is None:
-        vocab = data_vocab_size(dataset)
-        if vocab is None and "path" not in cfg.model and "config" not in cfg.model:
-            raise ConfigError(f"{what}: the data gives no vocabulary size; set model.vocab_size")
-        sizes["vocab_size"] = vocab
+    sizes = model_sizes(cfg, dataset, what)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, **sizes)
     held_out = instantiate(cfg.data.dataset, train=False) if cfg.train.eval_every else None
@@ -47,6 +42,20 @@ def model_and_data(
             f"data.block_size={block} is beyond the model's {top} positions; use at most {top}"
         )
     return model, dataset, held_out
+
+
+def model_sizes(cfg: DictConfig, dataset: Dataset | None = None, what: str = "") -> dict:
+    """The arguments of `instantiate(cfg.model, ...)` that the data gives: vocab_size
+    where the model's is null. `dataset`: the configured one (built with n=1 if not given)."""
+    if "vocab_size" not in cfg.model or cfg.model.vocab_size is not None:
+        return {}
+    if dataset is None:
+        dataset = instantiate(cfg.data.dataset, **({"n": 1} if "n" in cfg.data.dataset else {}))
+    vocab = data_vocab_size(dataset)
+    if vocab is None and "path" not in cfg.model and "config" not in cfg.model:
+        what = what or f"model {cfg.model.get('_target_')} does not fit the data"
+        raise ConfigError(f"{what}: the data gives no vocabulary size; set model.vocab_size")
+    return {"vocab_size": vocab}
 
 
 def data_vocab_size(dataset: Dataset) -> int | None:

@@ -247,7 +247,8 @@ def _files(
             )
         files = [Path(p) for p in sorted(glob.glob(str(Path(pattern).expanduser())))]
         if not files:
-            raise ConfigError(f"{key}={pattern} matches no file")
+            missing = "matches no file" if glob.has_magic(pattern) else "does not exist"
+            raise ConfigError(f"{key}={pattern} {missing}")
         root = files[0].parent
     meta = read_meta(root)
     meta["source"] = str(root / ("meta.json" if (root / "meta.json").is_file() else "meta.pkl"))
