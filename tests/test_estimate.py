@@ -15,6 +15,7 @@ from dist_harness import run_distributed
 from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainer.build import model_sizes
 from trainer.errors import ConfigError
 from trainer.estimate import Cluster, compose_modes, estimate, layout
 from trainer.estimate.run import build_meta, mode_plan, shard_size
@@ -125,7 +126,7 @@ def _activations(cfg, x, y) -> int:
     from trainer.precision import cast_module
 
     torch.manual_seed(0)
-    model = instantiate(cfg.model)
+    model = instantiate(cfg.model, **model_sizes(cfg))
     mp = Precision.of(cfg.precision)
     if mp.mixed:
         cast_module(model, mp.param_dtype)
@@ -157,7 +158,7 @@ def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
         if with_activations and env.rank == 0:
             got["activations"] = _activations(cfg, x[: n // k], y[: n // k])
         torch.manual_seed(0)
-        model = instantiate(cfg.model)
+        model = instantiate(cfg.model, **model_sizes(cfg))
         box = []  # the engine, once built
         sampler = _Sampler(lambda box=box: _working(box[0]))
         for p in model.parameters():  # before the engine's hooks: sees each new gradient

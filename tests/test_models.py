@@ -8,6 +8,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from trainer.build import model_sizes
 from trainer.data import make_loader, synthetic_classification, synthetic_tokens
 from trainer.errors import ConfigError
 from trainer.models import GPT, MLP, Block, SmallCNN, accuracy, loss_fn, resnet18
@@ -133,8 +134,8 @@ def test_conf_groups_instantiate_and_fit_together(model_name, data_name):
         }
     )
     cfg.data.dataset.n = 8  # keep it quick; the other arguments stay as configured
-    model = instantiate(cfg.model)
     dataset = instantiate(cfg.data.dataset)
+    model = instantiate(cfg.model, **model_sizes(cfg, dataset))
     x, y = next(iter(make_loader(dataset, 4, rank=0, world_size=1, seed=0)))
     loss = loss_fn(model(x), y)
     assert torch.isfinite(loss)

@@ -101,7 +101,9 @@ def synthetic_tokens(
     for t in range(block_size):
         choice = torch.randint(2, (n,), generator=sample)  # (n,)
         seq[:, t + 1] = successors[seq[:, t], choice]
-    return TensorDataset(seq[:, :-1].clone(), seq[:, 1:].clone())
+    data = TensorDataset(seq[:, :-1].clone(), seq[:, 1:].clone())
+    data.vocab_size = vocab_size  # what model=gpt takes when its vocab_size is null
+    return data
 
 
 # --------------------------------------------------------------------------------------
@@ -256,8 +258,13 @@ def make_loader(
     seed: int,
     num_workers: int = 0,
 ) -> DataLoader:
-    """An endless DataLoader of this rank's batches; its sampler is `loader.batch_sampler`."""
-    sampler = GlobalBatchSampler(len(dataset), global_batch, rank, world_size, seed)
+    """An endless DataLoader of this rank's batches; its sampler is `loader.batch_sampler`:
+    the dataset's own where it has one (token files: trainer/tokens.py), else a
+    GlobalBatchSampler over its samples."""
+    if hasattr(dataset, "batch_sampler"):
+        sampler = dataset.batch_sampler(global_batch, rank, world_size, seed)
+    else:
+        sampler = GlobalBatchSampler(len(dataset), global_batch, rank, world_size, seed)
     return DataLoader(
         dataset,
         batch_sampler=sampler,

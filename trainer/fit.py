@@ -29,6 +29,16 @@ def check_fit(model: nn.Module, dataset: Dataset, model_name: str, data_name: st
     was_training = model.training
     model.eval()
     try:
+        if hasattr(dataset, "max_token"):  # token files: every id, read a chunk at a time
+            # the vocabulary from a forward of id 0, which every model takes
+            size = model(torch.zeros_like(x).unsqueeze(0).to(device)).shape[-1]
+            top, vocab = dataset.max_token(), dataset.data_vocab_size()
+            if top >= size:
+                raise ConfigError(
+                    f"{what}: token id {top} is at or above the model's vocabulary size "
+                    f"{size} (the data's vocabulary size: {vocab}); set model.vocab_size "
+                    f"to at least {top + 1}"
+                )
         out = model(x.unsqueeze(0).to(device))  # (1, C) or (1, T, V)
         targets = _targets(dataset)
         top = int(targets.max()) if targets is not None else int(y.max())

@@ -11,17 +11,18 @@ from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from trainer import checkpoint, comm, preempt, rundir
 from trainer import dist as tdist
+from trainer.build import data_dir, model_and_data
 from trainer.config import engine_options, validate
 from trainer.data import make_eval_loader, make_loader
 from trainer.errors import TrainingError
 from trainer.fit import check_fit
 from trainer.guard import Guard
+from trainer.lm import save_model_files
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.models import accuracy, loss_fn
@@ -108,6 +109,7 @@ class Run:
     lr: float | torch.Tensor
     guard: Guard  # non-finite losses and stop requests ([Note: checking the loss ...])
     skipped: int = 0  # steps skipped for a non-finite loss
+    tokens_per_step: int = 0  # global tokens per step of a language model (0: not one)
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
     last_eval: dict[str, float] = field(default_factory=dict)
 
@@ -120,20 +122,18 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     owner = rundir.claim(
         {"hydra.run.dir": run_dir, "ckpt.dir": checkpoint.checkpoint_dir(cfg, run_dir)}
     )
-    torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model).to(env.device)
+    names = _choice("model", cfg.model), _choice("data", cfg.data.dataset)
+    model, dataset, held_out = model_and_data(cfg, names)  # seeded with cfg.seed
+    model = model.to(env.device)
     psi = count_params(model)  # before fsdp takes the parameters apart
-    dataset = instantiate(cfg.data.dataset)
-    check_fit(model, dataset, _choice("model", cfg.model), _choice("data", cfg.data.dataset))
+    check_fit(model, dataset, *names)
+    if env.is_rank0:  # what scripts/sample.py and export_hf.py rebuild the model from
+        save_model_files(model, run_dir / "model", data_dir(dataset))
     loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
     eval_loader = None
-    if cfg.train.eval_every:
+    if held_out is not None:
         eval_loader = make_eval_loader(
-            instantiate(cfg.data.dataset, train=False),
-            cfg.train.batch_size,
-            env.rank,
-            env.world_size,
-            cfg.train.eval_batches,
+            held_out, cfg.train.batch_size, env.rank, env.world_size, cfg.train.eval_batches
         )
     optimizer = optimizer_factory(cfg.optim)
     engine = build_engine(
@@ -193,6 +193,7 @@ def train_step(run: Run, step: int) -> None:
     stepped = engine.step()
     run.scheduler.step(stepped)  # counts taken steps only
     run.lr = if_taken(stepped, lr, run.lr)
+    run.tokens_per_step = targets.numel() * run.env.world_size if targets.dim() > 1 else 0
     run.metrics.add(
         loss,
         correct,
@@ -244,11 +245,13 @@ def log_metrics(run: Run, step: int) -> None:
         latest.update({"train/loss_scale": scaler.scale, "train/overflow_steps": scaler.skipped})
     values = run.metrics.reduce(latest)
     if values:  # rank 0, with at least one step that was not skipped
+        shown = {"loss": f"{values['train/loss']:.4f}", "acc": f"{values['train/accuracy']:.3f}"}
+        if run.tokens_per_step:
+            values["train/tokens_seen"] = float(step * run.tokens_per_step)
+            shown["tok/s"] = f"{values['perf/tokens_per_s']:.0f}"
         run.last = values
         run.writer.scalars(values, step)
-        run.bar.set_postfix(
-            loss=f"{values['train/loss']:.4f}", acc=f"{values['train/accuracy']:.3f}"
-        )
+        run.bar.set_postfix(shown)
 
 
 def run_eval(run: Run, step: int) -> None:
@@ -283,7 +286,7 @@ def finish(run: Run) -> dict[str, Any]:
             f"done: {_mode_label(cfg)} on {env.world_size} rank(s), step {final['step']}, "
             f"loss {last.get('train/loss', float('nan')):.4f}, "
             f"accuracy {last.get('train/accuracy', float('nan')):.3f}, "
-            f"{last.get('perf/samples_per_s', 0):.0f} samples/s -> {run_dir}"
+            f"{last.get('perf/samples_per_s', 0):.0f} samples/s{_eval_line(run)} -> {run_dir}"
         )
     return final
 
@@ -315,6 +318,14 @@ def save_final_model(engine, path: Path, is_rank0: bool) -> None:
     state = engine.full_state_dict()  # a collective in sharded modes: every rank calls it
     if is_rank0:
         checkpoint.write_file(path, state)  # never a half-written file under the final name
+
+
+def _eval_line(run: Run) -> str:
+    e = run.last_eval
+    if "eval/perplexity" in e:
+        tokens = f", {run.last['perf/tokens_per_s']:.0f} tokens/s" if run.tokens_per_step else ""
+        return f"{tokens}, val loss {e['eval/loss']:.4f}, perplexity {e['eval/perplexity']:.2f}"
+    return f", eval loss {e['eval/loss']:.4f}" if "eval/loss" in e else ""
 
 
 def _mode_label(cfg: DictConfig) -> str:

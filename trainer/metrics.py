@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -210,9 +211,10 @@ def evaluate(
     The model runs in eval mode under no_grad (BatchNorm uses its running statistics);
     the engine goes back to training mode after. One Reduce; its traffic and the eval
     forwards' stay out of the training communication figures. Rank 0 gets `eval/loss`
-    and `eval/accuracy`, the other ranks None.
+    and `eval/accuracy` (and `eval/perplexity` for token targets), the other ranks None.
     """
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    sequences = False
     engine.eval()
     try:
         with torch.no_grad(), comm.unaccounted():
@@ -224,13 +226,17 @@ def evaluate(
                 sums[0] += loss_fn(logits, targets).double() * n
                 sums[1] += accuracy(logits, targets).double() * n
                 sums[2] += n
+                sequences = targets.dim() > 1  # (B, T) targets: tokens
             comm.reduce(sums, dst=0, tag="eval").wait()
     finally:
         engine.train()
     if comm.rank() != 0:
         return None
     loss_sum, correct, count = sums.tolist()
-    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+    out = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+    if sequences:  # a language model's: the exponential of the mean loss per token
+        out["eval/perplexity"] = math.exp(min(out["eval/loss"], 700.0))
+    return out
 
 
 # Dense peak FLOP/s of one device by name (vendor data sheets, no sparsity), by the dtype

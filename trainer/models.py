@@ -218,6 +218,10 @@ class GPT(nn.Module):
         super().__init__()
         self.block_size = block_size
         self.activation_checkpointing = activation_checkpointing
+        self._sizes = dict(
+            vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+            n_embd=n_embd, tie_weights=tie_weights,
+        )  # fmt: skip
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.blocks = nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)])
@@ -231,6 +235,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def model_config(self) -> dict:
+        """What trainer.lm.build_from_config rebuilds this model from (config.json)."""
+        from trainer.lm import GPT_TYPE
+
+        return {"model_type": GPT_TYPE, **self._sizes}
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

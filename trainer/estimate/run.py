@@ -148,8 +148,12 @@ def shard_size(mode: str, cfg: DictConfig, world: int, flag: int | None) -> int:
 
 
 def _build(cfg: DictConfig, **kwargs: Any) -> torch.nn.Module:
+    from trainer.build import model_sizes
+
+    with torch.device("cpu"):  # the data, where it sizes the model: real, even under meta
+        sizes = model_sizes(cfg)  # the data's vocabulary where the model's is null
     try:
-        return instantiate(cfg.model, **kwargs)
+        return instantiate(cfg.model, **sizes, **kwargs)
     except InstantiationException as e:  # a ConfigError raised inside the model
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None

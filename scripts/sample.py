@@ -1,0 +1,97 @@
+"""Generate text from a trained run, on one process, whatever mode and world size it was
+saved from.
+
+    python scripts/sample.py runs/<run> --prompt "def " --tokens 200 --temperature 0.8
+
+Loads the run's newest checkpoint (else its final_model.pt), rebuilds the model from
+<run>/model/config.json and decodes with the tokenizer the data was prepared with
+(<run>/model/meta.json, tokenizer.json; token ids are printed where none is known).
+The same --seed gives the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.errors import ConfigError  # noqa: E402
+from trainer.lm import positions, run_model  # noqa: E402
+from trainer.text import codec_from_meta  # noqa: E402
+from trainer.tokens import read_meta  # noqa: E402
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    ids: list[int],
+    tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """`tokens` new ids after `ids`, each drawn from the softmax of the last logits over
+    `temperature`, among the `top_k` likeliest (temperature 0: the likeliest)."""
+    window = positions(model)
+    idx = torch.tensor([ids], dtype=torch.long)  # (1, T)
+    for _ in range(tokens):
+        context = idx if window is None else idx[:, -window:]
+        logits = model(context)[:, -1, :].float()  # (1, V)
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.shape[-1]:
+                kth = torch.topk(logits, top_k).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0, len(ids) :].tolist()
+
+
+def sample(
+    run: Path,
+    prompt: str = "\n",
+    tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    seed: int = 0,
+) -> str:
+    model, model_dir, _ = run_model(run)
+    codec = codec_from_meta(read_meta(model_dir), model_dir)
+    if codec is None:  # ids in, ids out
+        ids = [int(t) for t in prompt.split()] or [0]
+    else:
+        try:
+            ids = codec.encode(prompt).tolist() or [0]
+        except ConfigError as e:
+            raise ConfigError(f"--prompt {prompt!r}: {e}") from None
+    out = generate(model, ids, tokens, temperature, top_k, torch.Generator().manual_seed(seed))
+    return " ".join(map(str, out)) if codec is None else prompt + codec.decode(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a run directory (or one checkpoint)")
+    parser.add_argument("--prompt", default="\n")
+    parser.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        text = sample(args.run, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

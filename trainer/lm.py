@@ -1,0 +1,205 @@
+"""Language models by directory: Hugging Face causal LMs from local files (`model=hf`), and
+the files a run keeps of its model so that `scripts/sample.py` and `scripts/export_hf.py`
+can rebuild it without the data or the directory it came from.
+
+A run writes `<run dir>/model/`: `config.json` (Hugging Face's for model=hf; for model=gpt
+our GPT's sizes under `"model_type": "shardtrain_gpt"`) and the data's tokenizer files
+(meta.json, tokenizer.json). An exported directory adds `model.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.errors import ConfigError
+
+GPT_TYPE = "shardtrain_gpt"
+WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM as the trainer's models are: ids (B, T) in, logits
+    (B, T, V) out. The HF model is `self.hf`; its state_dict keys gain the prefix `hf.`."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
+
+    @property
+    def block_size(self) -> int | None:
+        """The model's positions (None: no limit in its config)."""
+        c = self.hf.config
+        return getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+
+    def model_config(self) -> dict[str, Any]:
+        return self.hf.config.to_dict()
+
+
+def hf_causal_lm(
+    path: str | None = None,
+    config: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
+    activation_checkpointing: bool = False,
+) -> CausalLM:
+    """AutoModelForCausalLM from local files only. `path`: a directory with config.json,
+    with weights (fine-tuning from them) or without (a fresh init); `config` overrides its
+    values. No path: built from `config` alone (`model_type` and sizes). `vocab_size`
+    (the data's) applies where neither gives one."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded, ever
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = dict(config or {})
+    if path is not None:
+        hf_config, weights = _local_config(path)
+        for key, value in overrides.items():
+            setattr(hf_config, key, value)
+    else:
+        model_type = overrides.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError(
+                "model=hf needs model.path=DIR (a local Hugging Face directory) or "
+                "model.config.model_type=TYPE (llama, gpt2, ...) to build from scratch"
+            )
+        if vocab_size is not None:
+            overrides.setdefault("vocab_size", vocab_size)
+        try:
+            hf_config = AutoConfig.for_model(model_type, **overrides)
+        except ValueError as e:
+            raise ConfigError(f"model.config.model_type={model_type}: {e}") from None
+        weights = False
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(Path(path).expanduser()),
+            config=hf_config,
+            local_files_only=True,
+            dtype=torch.float32,
+        )
+    else:
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        except ValueError as e:
+            line = str(e).strip().splitlines()[0]
+            raise ConfigError(f"model=hf cannot build a causal LM: {line}") from None
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return CausalLM(model)
+
+
+def _local_config(path: str) -> tuple[Any, bool]:
+    """The directory's config and whether it holds weights."""
+    from transformers import AutoConfig
+
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(
+            f"model.path={path} is not a local directory; nothing is downloaded: give a "
+            "directory written by save_pretrained (config.json, weights optional)"
+        )
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"model.path={path} has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as e:
+        line = str(e).strip().splitlines()[0]
+        raise ConfigError(f"model.path={path}: config.json cannot be read: {line}") from None
+    return config, any((directory / w).is_file() for w in WEIGHTS)
+
+
+def positions(model: nn.Module) -> int | None:
+    """How many positions the model takes (GPT's block_size, HF's maximum positions)."""
+    return getattr(model, "block_size", None)
+
+
+# --------------------------------------------------------------------------------------
+# The run's model files, and models rebuilt from them
+
+
+def save_model_files(model: nn.Module, directory: Path, data_dir: Path | None) -> None:
+    """config.json of `model` and the tokenizer files of `data_dir` into `directory`."""
+    config = getattr(model, "model_config", None)
+    if config is None:
+        return  # not a language model: nothing to sample or export
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config(), indent=1, default=str))
+    for name in ("meta.json", "tokenizer.json", "meta.pkl"):
+        if data_dir is not None and (Path(data_dir) / name).is_file():
+            shutil.copyfile(Path(data_dir) / name, directory / name)
+
+
+def build_from_config(directory: Path) -> nn.Module:
+    """A freshly initialised model of `directory/config.json` (ours or Hugging Face's)."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    if config.get("model_type") == GPT_TYPE:
+        from trainer.models import GPT
+
+        return GPT(**{k: v for k, v in config.items() if k != "model_type"})
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    return CausalLM(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32))
+
+
+def load_exported(directory: Path) -> nn.Module:
+    """A model exported by scripts/export_hf.py, weights included."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"{directory} has no config.json")
+    config = json.loads((directory / "config.json").read_text())
+    if config.get("model_type") == GPT_TYPE:
+        from safetensors.torch import load_model
+
+        model = build_from_config(directory)
+        load_model(model, str(directory / "model.safetensors"))
+        return model
+    return hf_causal_lm(str(directory))
+
+
+def run_model(path: Path) -> tuple[nn.Module, Path, str]:
+    """The model of a run directory (its newest checkpoint, else final_model.pt) or of one
+    checkpoint directory, on one process whatever mode and world size saved it: (model in
+    eval mode, the run's model/ directory, what was loaded)."""
+    from omegaconf import OmegaConf
+
+    from trainer import checkpoint
+
+    path = Path(path)
+    if (path / "meta.pt").is_file():  # one checkpoint: <run dir>/checkpoints/step_N
+        found, model_dir = [path], path.parent.parent / "model"
+    else:
+        if not path.is_dir():
+            raise ConfigError(f"{path} is neither a run directory nor a checkpoint")
+        ckpt_dir = path / "checkpoints"
+        saved = path / ".hydra" / "config.yaml"
+        if saved.is_file() and OmegaConf.load(saved).get("ckpt", {}).get("dir"):
+            ckpt_dir = Path(OmegaConf.load(saved).ckpt.dir)
+        found, model_dir = checkpoint.find_checkpoints(ckpt_dir), path / "model"
+        if not found and not (path / "final_model.pt").is_file():
+            raise ConfigError(f"run {path} has no checkpoint (none under {ckpt_dir})")
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{model_dir / 'config.json'} is missing: the run did not train a language model "
+            "(model=gpt or model=hf), or the checkpoint is not inside its run directory"
+        )
+    model = build_from_config(model_dir)
+    if found:
+        state, source = checkpoint.consolidate(found[0]), str(found[0])
+    else:
+        source = str(path / "final_model.pt")
+        state = torch.load(source, weights_only=True)
+    model.load_state_dict(state)
+    return model.eval(), model_dir, source

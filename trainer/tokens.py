@@ -1,0 +1,311 @@
+"""Token files on disk, read through `np.memmap` (never whole), cut into training windows.
+
+Formats, told apart per file (`data.format=auto`) or named (`raw`, `llmc`, `npy`):
+
+- raw: headerless token ids, as `scripts/prepare_text.py` and nanoGPT write `train.bin` and
+  `val.bin`. The dtype comes from `data.dtype`, else the directory's `meta.json`, else
+  uint16 (nanoGPT's). The vocabulary size from `data.vocab_size`, `meta.json`, nanoGPT's
+  `meta.pkl` (read without unpickling objects), else the largest id + 1.
+- llmc: llm.c's shards: 256 int32 of header (magic, version, token count), then the
+  tokens, uint16 for magic 20240520 and uint32 for 20240801. The count is checked against
+  the file's size. `auto` takes a file whose first int32 is one of these magics as llm.c:
+  read as headerless it would train on its header.
+- npy: a 1-D integer `.npy` array (build-nanogpt's shards).
+
+Several files (`data.path` as a glob) read as one stream, in sorted order.
+
+[Note: windows drawn from the step]
+Training step s takes `global_batch` windows of block_size + 1 tokens (inputs, then the
+targets one token on), drawn from `np.random.default_rng([seed, s])` alone: a random
+shift, then distinct windows of the grid that starts there, so the windows of one step
+share no token. Rank r takes windows [r*b, (r+1)*b) of the step, b = global_batch / P:
+the ranks' parts are disjoint, and their concatenation is the batch one process draws.
+Nothing depends on what came before, so the position is the step and nothing else: a
+resumed run (in any world size) continues bitwise. Evaluation reads the held-out tokens
+as consecutive windows, in order.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from trainer.errors import ConfigError
+
+LLMC_MAGIC = {20240520: np.uint16, 20240801: np.uint32}  # llm.c's header magic -> token dtype
+LLMC_HEADER = 256  # int32 values before the tokens
+FORMATS = ("auto", "raw", "llmc", "npy")
+DTYPES = ("uint16", "uint32")
+
+
+def open_tokens(path: Path, fmt: str = "auto", dtype: str | None = None) -> np.ndarray:
+    """The token ids of one file as a read-only 1-D memmap (nothing is read yet)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"token file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"token file {path} is empty")
+    if fmt == "npy" or (fmt == "auto" and path.suffix == ".npy"):
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise ConfigError(f"token file {path} is not a .npy array: {e}") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ConfigError(
+                f"token file {path} holds a {tokens.dtype} array of shape {tokens.shape}; "
+                "a 1-D integer array is needed"
+            )
+        return tokens
+    magic = int(np.fromfile(path, dtype=np.int32, count=1)[0]) if path.stat().st_size >= 4 else 0
+    if fmt == "llmc" or (fmt == "auto" and magic in LLMC_MAGIC):
+        return _llmc(path, magic, dtype)
+    return _raw(path, dtype or "uint16")
+
+
+def _llmc(path: Path, magic: int, dtype: str | None) -> np.ndarray:
+    if magic not in LLMC_MAGIC:
+        raise ConfigError(
+            f"{path} is not an llm.c shard: magic {magic}, expected one of "
+            f"{', '.join(map(str, LLMC_MAGIC))}"
+        )
+    header = np.fromfile(path, dtype=np.int32, count=LLMC_HEADER)
+    token_dtype = np.dtype(LLMC_MAGIC[magic])
+    if dtype is not None and np.dtype(dtype) != token_dtype:
+        raise ConfigError(
+            f"data.dtype={dtype} does not match llm.c shard {path}: its magic {magic} "
+            f"means {token_dtype}"
+        )
+    count, held = int(header[2]), (path.stat().st_size - 4 * LLMC_HEADER) // token_dtype.itemsize
+    if count <= 0 or count != held:
+        raise ConfigError(
+            f"llm.c shard {path}: its header says {count} tokens but the file holds {held}"
+        )
+    return np.memmap(path, dtype=token_dtype, mode="r", offset=4 * LLMC_HEADER, shape=(count,))
+
+
+def _raw(path: Path, dtype: str) -> np.ndarray:
+    if dtype not in DTYPES:
+        raise ConfigError(f"data.dtype={dtype} is not one of {', '.join(DTYPES)}")
+    size, item = path.stat().st_size, np.dtype(dtype).itemsize
+    if size % item:
+        raise ConfigError(
+            f"token file {path} has {size} bytes, not a whole number of {dtype} tokens; "
+            "is data.dtype (or meta.json's dtype) right?"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """`meta.json` (ours) or nanoGPT's `meta.pkl` in `directory`, else {}."""
+    directory = Path(directory)
+    if (directory / "meta.json").is_file():
+        return json.loads((directory / "meta.json").read_text())
+    if (directory / "meta.pkl").is_file():
+        with open(directory / "meta.pkl", "rb") as f:
+            try:
+                meta = _PlainUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise ConfigError(f"{directory / 'meta.pkl'}: {e}") from None
+        return meta if isinstance(meta, dict) else {}
+    return {}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Dicts, lists, strings and numbers only: no class is ever imported or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"holds an object of {module}.{name}; only plain data is read")
+
+
+def max_token(arrays: list[np.ndarray], chunk: int = 1 << 24) -> int:
+    """The largest id over every array, read a chunk at a time."""
+    return max(int(a[i : i + chunk].max()) for a in arrays for i in range(0, len(a), chunk))
+
+
+class TokenData(Dataset):
+    """Windows of `block_size + 1` tokens of a token stream, as (inputs, targets), each of
+    shape (T,), int64. Training item i starts at token i (the sampler picks the starts,
+    [Note: windows drawn from the step]); evaluation item i at token i * (T + 1).
+
+    `dir`: a directory with train.bin / val.bin (and meta.json or meta.pkl); or `path`: a
+    file or a glob of shards for training and `val_path` for evaluation. `block_size`
+    None: the model's, set by the trainer (trainer/build.py) before the first item.
+    """
+
+    def __init__(
+        self,
+        dir: str | None = None,
+        path: str | None = None,
+        val_path: str | None = None,
+        block_size: int | None = None,
+        vocab_size: int | None = None,
+        dtype: str | None = None,
+        format: str = "auto",
+        train: bool = True,
+    ) -> None:
+        if format not in FORMATS:
+            raise ConfigError(f"data.format={format} is not one of {', '.join(FORMATS)}")
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+            raise ConfigError(f"data.block_size={block_size!r} must be a whole number >= 1")
+        files, self.meta = _files(dir, path, val_path, train)
+        meta_dtype = self.meta.get("dtype")
+        if dtype is not None and meta_dtype is not None and dtype != meta_dtype:
+            raise ConfigError(
+                f"data.dtype={dtype} does not match {self.meta['source']}'s dtype {meta_dtype}"
+            )
+        self.files = files
+        self.arrays = [open_tokens(f, format, dtype or meta_dtype) for f in files]
+        self.ends = np.cumsum([len(a) for a in self.arrays])  # (files,) token counts, summed
+        self.train = train
+        self.block_size = block_size
+        given = vocab_size or self.meta.get("vocab_size")
+        self.vocab_size = int(given) if given else None  # None: the largest id + 1 (max_token)
+        self._max: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ends[-1])
+
+    def max_token(self) -> int:
+        """The largest id in the files (read once, a chunk at a time)."""
+        if self._max is None:
+            self._max = max_token(self.arrays)
+        return self._max
+
+    def data_vocab_size(self) -> int:
+        return self.vocab_size if self.vocab_size is not None else self.max_token() + 1
+
+    def _window(self) -> int:
+        if self.block_size is None:
+            raise ConfigError("data.block_size is not set and no model gave one")
+        if self.tokens < self.block_size + 1:
+            raise ConfigError(
+                f"{self._name()} holds {self.tokens} tokens, fewer than one window of "
+                f"data.block_size + 1 = {self.block_size + 1}; lower data.block_size "
+                "(or model.block_size)"
+            )
+        return self.block_size + 1
+
+    def _name(self) -> str:
+        return str(self.files[0]) if len(self.files) == 1 else f"{len(self.files)} token files"
+
+    def __len__(self) -> int:
+        w = self._window()
+        return self.tokens - w + 1 if self.train else self.tokens // w
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self._window()
+        start = i if self.train else i * w
+        seq = torch.from_numpy(self.read(start, w).astype(np.int64))  # (T+1,)
+        return seq[:-1], seq[1:]
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n) of the stream, across file boundaries."""
+        out, f = [], int(np.searchsorted(self.ends, start, side="right"))
+        while n > 0:
+            lo = start - (int(self.ends[f - 1]) if f else 0)
+            piece = self.arrays[f][lo : lo + n]
+            out.append(piece)
+            start, n, f = start + len(piece), n - len(piece), f + 1
+        return np.concatenate(out) if len(out) > 1 else np.asarray(out[0])
+
+    def batch_sampler(
+        self, global_batch: int, rank: int, world_size: int, seed: int
+    ) -> WindowSampler:
+        return WindowSampler(self.tokens, self._window(), global_batch, rank, world_size, seed)
+
+
+def _files(
+    dir: str | None, path: str | None, val_path: str | None, train: bool
+) -> tuple[list[Path], dict[str, Any]]:
+    """The files to read, and the metadata beside them."""
+    if (dir is None) == (path is None):
+        raise ConfigError("data=token_file needs one of data.dir=DIR or data.path=FILE_OR_GLOB")
+    if dir is not None:
+        root = Path(dir).expanduser()
+        if not root.is_dir():
+            raise ConfigError(f"data.dir={dir} is not a directory")
+        name = "train.bin" if train else "val.bin"
+        if not (root / name).is_file():
+            hint = "" if train else "; set train.eval_every=0 to train without evaluation"
+            raise ConfigError(f"data.dir={dir} has no {name}{hint}")
+        files = [root / name]
+    else:
+        pattern = path if train else val_path
+        key = "data.path" if train else "data.val_path"
+        if pattern is None:
+            raise ConfigError(
+                "no held-out tokens: set data.val_path=FILE_OR_GLOB, or train.eval_every=0"
+            )
+        files = [Path(p) for p in sorted(glob.glob(str(Path(pattern).expanduser())))]
+        if not files:
+            missing = "matches no file" if glob.has_magic(pattern) else "does not exist"
+            raise ConfigError(f"{key}={pattern} {missing}")
+        root = files[0].parent
+    meta = read_meta(root)
+    meta["source"] = str(root / ("meta.json" if (root / "meta.json").is_file() else "meta.pkl"))
+    return files, meta
+
+
+class WindowSampler(Sampler[list[int]]):
+    """This rank's window starts for each step, forever ([Note: windows drawn from the
+    step]). The position (`step`: the next global batch) is all its state."""
+
+    def __init__(
+        self, tokens: int, window: int, global_batch: int, rank: int, world_size: int, seed: int
+    ) -> None:
+        if global_batch % world_size:
+            raise ConfigError(
+                f"global batch {global_batch} is not divisible by world size {world_size}"
+            )
+        fewest = (tokens - window + 1) // window  # windows of the grid at the largest shift
+        if fewest < global_batch:
+            raise ConfigError(
+                f"the token data holds {tokens} tokens: {fewest} windows of {window}, fewer "
+                f"than train.batch_size={global_batch}; lower train.batch_size or data.block_size"
+            )
+        self.tokens, self.window, self.global_batch = tokens, window, global_batch
+        self.rank, self.local = rank, global_batch // world_size
+        self.seed = seed
+        self.step = 0
+
+    def starts(self, step: int) -> np.ndarray:
+        """The first token of each window of global batch `step`: (global_batch,)."""
+        rng = np.random.default_rng([self.seed, step])
+        shift = int(rng.integers(self.window))
+        grid = (self.tokens - shift) // self.window
+        return shift + self.window * rng.choice(grid, size=self.global_batch, replace=False)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            step, self.step = self.step, self.step + 1  # the position names the next batch
+            yield self.starts(step)[self.rank * self.local : (self.rank + 1) * self.local].tolist()
+
+    def seek(self, batches_done: int) -> None:
+        self.step = batches_done
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+            "tokens": self.tokens,
+            "window": self.window,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("seed", "global_batch", "tokens", "window"):
+            if state.get(key) != getattr(self, key):
+                raise ConfigError(
+                    f"sampler state has {key}={state.get(key)} but this run has "
+                    f"{key}={getattr(self, key)}; the data position cannot be resumed"
+                )
+        self.step = int(state["step"])
