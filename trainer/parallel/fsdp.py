@@ -308,7 +308,7 @@ class FSDPEngine(Engine):
     # calls, in any order.
     def _pre_forward(self, u: _Unit) -> None:
         if self._in_backward:  # [Note: activation checkpointing]
-            if u.done and u is not self.root:  # a backward nested in this one
+            if u.done and u.params and u is not self.root:  # a backward nested in this one
                 name = self._names[id(u.params[0])]
                 raise RuntimeError(
                     f"parameter {name!r} would receive its gradient twice in one backward "
@@ -394,6 +394,9 @@ class FSDPEngine(Engine):
         if self._expect_fresh:
             self._expected.clear()
             self._expect_fresh = False
+        if self.world_size == 1:  # no peer to keep in step with: expect every gradient
+            self._expected.update(id(p) for u in self.units for p in u.params)
+            return
         seen: set[Any] = set()
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
         self._expected.update(id(t) for t in outputs if t.grad_fn is None)  # leaves
