@@ -24,7 +24,7 @@ from pathlib import Path
 
 # TensorBoard's defaults smooth lines (0.6) and leave "outliers" out of the y range: with
 # two or three points per line (one per world size) the first moves the points and the
-# second cuts off the lowest line. The shots turn both off, as README tells users to:
+# second cuts off the lowest line. The shots turn both off, as docs/tensorboard.md tells users to:
 # smoothing in the URL, the outlier box in localStorage, where TensorBoard keeps it.
 RAW = "&_smoothingWeight=0"
 SETTINGS = {"_ignoreYOutliers": "false"}

@@ -1,4 +1,4 @@
-"""Every row of the README's bad-input table: exit code and the one-line message."""
+"""Every row of the bad-input table (docs/bad_input.md): exit code and the one-line message."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""From a text file to a sample and an exported directory, as the README's commands do:
+"""From a text file to a sample and an exported directory, as the commands of docs/own_text.md do:
 prepare_text, train.py on data=token_file with model=gpt and model=hf, sample.py,
 export_hf.py. Hugging Face directories are written here with save_pretrained from small
 configs (random init); nothing is downloaded."""

@@ -12,8 +12,8 @@ request of [Note: stopping on SIGTERM] (preempt.py). A NaN found there ends the 
 naming the step where it began, before any checkpoint could save the damage; the steps
 in between updated the parameters with it, which no longer matters. A SIGTERM stops
 the run at the next check step. `train.on_nonfinite=skip` must decide before each
-optimizer step, so it reads the agreement every step (one read per step, said in the
-README).
+optimizer step, so it reads the agreement every step (one read per step, said in
+docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Sharded, atomic checkpoints: save, resume (also into another mode or world size) and
-consolidate into one state_dict. What they give a user: README.md, "Checkpoints".
+consolidate into one state_dict. What they give a user: docs/checkpoints.md.
 
     start = checkpoint.maybe_resume(cfg, engine, run_dir, sampler=sampler)   # before the loop
     checkpoint.maybe_save(cfg, engine, run_dir, step, sampler=sampler)       # after each step
