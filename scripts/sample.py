@@ -16,42 +16,13 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.lm import positions, run_model  # noqa: E402
+from trainer.lm import generate, run_model  # noqa: E402
 from trainer.text import codec_from_meta  # noqa: E402
 from trainer.tokens import read_meta  # noqa: E402
-
-
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    ids: list[int],
-    tokens: int,
-    temperature: float = 0.8,
-    top_k: int | None = 200,
-    generator: torch.Generator | None = None,
-) -> list[int]:
-    """`tokens` new ids after `ids`, each drawn from the softmax of the last logits over
-    `temperature`, among the `top_k` likeliest (temperature 0: the likeliest)."""
-    window = positions(model)
-    idx = torch.tensor([ids], dtype=torch.long)  # (1, T)
-    for _ in range(tokens):
-        context = idx if window is None else idx[:, -window:]
-        logits = model(context)[:, -1, :].float()  # (1, V)
-        if temperature <= 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.shape[-1]:
-                kth = torch.topk(logits, top_k).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-        idx = torch.cat([idx, nxt], dim=1)
-    return idx[0, len(ids) :].tolist()
 
 
 def sample(

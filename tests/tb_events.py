@@ -36,3 +36,11 @@ def text(run_dir: Path, tag: str) -> str:
     acc = _load(run_dir)
     (event,) = acc.Tensors(f"{tag}/text_summary")
     return event.tensor_proto.string_val[0].decode()
+
+
+def texts(run_dir: Path, tag: str) -> list[tuple[int, str]]:
+    """Every text summary `tag` as [(step, markdown)]."""
+    acc = _load(run_dir)
+    return [
+        (e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(f"{tag}/text_summary")
+    ]

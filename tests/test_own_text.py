@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from dist_harness import run_distributed
+from tb_events import texts
 from test_cli import run_cli, scalars
 
 from trainer.errors import ConfigError
@@ -59,6 +60,12 @@ def test_gpt_on_own_text_resumes_bitwise_samples_and_exports(tmp_path, text_dir)
     values = scalars(whole)
     assert values["train/tokens_seen"][-1] == 8 * 8 * 32  # steps x batch x block_size
     assert "perf/tokens_per_s" in values and "eval/perplexity" in values
+    # a sample of the model at each evaluation, decoded with the run's tokenizer
+    written = texts(whole, "sample")
+    assert [step for step, _ in written] == [4, 8]
+    md = written[-1][1]
+    body = md[md.index("```\n") + 4 : md.rindex("\n```")]
+    assert len(body) == 64 and set(body) <= set(TEXT), body
 
     one, two = sample(whole, "def ", 40, seed=1), sample(whole, "def ", 40, seed=1)
     assert one == two and one.startswith("def ") and len(one) == 44

@@ -125,6 +125,40 @@ def positions(model: nn.Module) -> int | None:
     return getattr(model, "block_size", None)
 
 
+@torch.no_grad()
+def generate(
+    model: Any,
+    ids: list[int],
+    tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    generator: torch.Generator | None = None,
+    window: int | None = None,
+    device: torch.device | str = "cpu",
+) -> list[int]:
+    """`tokens` new ids after `ids`, each drawn from the softmax of the last logits over
+    `temperature`, among the `top_k` likeliest (temperature 0: the likeliest). `model` is
+    an nn.Module or an engine; `window`: the positions it takes (default: the module's).
+    Draws on the host with `generator`, so every rank of an engine draws the same ids and
+    runs the same number of forwards."""
+    if window is None and isinstance(model, nn.Module):
+        window = positions(model)
+    idx = torch.tensor([ids], dtype=torch.long)  # (1, T)
+    for _ in range(tokens):
+        context = idx if window is None else idx[:, -window:]
+        logits = model(context.to(device))[:, -1, :].float().cpu()  # (1, V)
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.shape[-1]:
+                kth = torch.topk(logits, top_k).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0, len(ids) :].tolist()
+
+
 # --------------------------------------------------------------------------------------
 # The run's model files, and models rebuilt from them
 

@@ -22,7 +22,7 @@ from trainer.data import make_eval_loader, make_loader
 from trainer.errors import TrainingError
 from trainer.fit import check_fit
 from trainer.guard import Guard
-from trainer.lm import save_model_files
+from trainer.lm import generate, positions, save_model_files
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.models import accuracy, loss_fn
@@ -30,6 +30,8 @@ from trainer.optim import lr_scheduler, optimizer_factory, param_options
 from trainer.parallel import build_engine
 from trainer.parallel.engine import Engine
 from trainer.profiling import maybe_profile
+from trainer.text import codec_from_meta
+from trainer.tokens import read_meta
 
 
 def shared_run_dir(env: tdist.DistEnv) -> Path:
@@ -112,6 +114,9 @@ class Run:
     tokens_per_step: int = 0  # global tokens per step of a language model (0: not one)
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
     last_eval: dict[str, float] = field(default_factory=dict)
+    # a language model's tokenizer for the evaluation sample (True: ids, no tokenizer);
+    # None: not a language model
+    sample_codec: Any = None
 
 
 def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
@@ -165,10 +170,15 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         "scheduler": scheduler,
         "loss_scaler": engine.scaler,
     }
-    return Run(
+    run = Run(
         cfg, env, run_dir, owner, engine, scheduler, batches, eval_loader, writer, metrics,
         bar, resumable, lr, Guard(env.device),
     )  # fmt: skip
+    if getattr(model, "model_config", None) is not None:  # a language model: sampled
+        model_dir = run_dir / "model"
+        codec = codec_from_meta(read_meta(model_dir), model_dir) if env.is_rank0 else None
+        run.sample_codec = True if codec is None else codec
+    return run
 
 
 def train_step(run: Run, step: int) -> None:
@@ -259,6 +269,37 @@ def run_eval(run: Run, step: int) -> None:
     if values:  # rank 0
         run.last_eval = values
         run.writer.scalars(values, step)
+    if run.sample_codec is not None:
+        write_sample(run, step)
+
+
+SAMPLE_TOKENS = 64
+
+
+def write_sample(run: Run, step: int) -> None:
+    """A short sample of a language model to TensorBoard's text tab. Every rank runs the
+    same forwards (an fsdp forward is a collective): ids drawn on the host from a
+    generator seeded with the seed and the step, after token 0, in eval mode."""
+    engine, codec = run.engine, run.sample_codec
+    module = engine.module
+    was_training = module.training
+    module.eval()
+    try:
+        ids = generate(
+            engine,
+            [0],
+            SAMPLE_TOKENS,
+            generator=torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step),
+            window=positions(module),
+            device=run.env.device,
+        )
+    finally:
+        module.train(was_training)
+    try:
+        text = codec.decode(ids)
+    except Exception:  # no tokenizer (True), or ids past its vocabulary (a padded model)
+        text = " ".join(map(str, ids))
+    run.writer.text("sample", f"step {step}:\n\n```\n{text}\n```", step)
 
 
 def finish(run: Run) -> dict[str, Any]:

@@ -298,9 +298,9 @@ class Rank0Writer:
             for tag, v in values.items():
                 self._tb.add_scalar(tag, v, step)
 
-    def text(self, tag: str, text: str) -> None:
+    def text(self, tag: str, text: str, step: int | None = None) -> None:
         if self._tb is not None:
-            self._tb.add_text(tag, text)
+            self._tb.add_text(tag, text, step)
 
     def final(self, values: dict) -> None:
         if not self.enabled:
