@@ -324,7 +324,8 @@ def test_a_unit_run_again_after_another_is_refused_by_fsdp_alone(world):
             continue
         assert res["unchanged"], f"rank {r}: fsdp changed its shards"
         if r == 0:  # the rank that ran it again says why, in one line, before any step
-            assert res["fsdp"].startswith("ConfigError: fsdp: unit 'layers.1' ran again on rank 0")
+            want = "ConfigError: fsdp: unit 'layers.1' ran again on rank 0 (call 2 in this forward)"
+            assert res["fsdp"].startswith(want), res["fsdp"]
             assert "\n" not in res["fsdp"] and "mode.reshard_after_forward=false" in res["fsdp"]
         else:  # its peers stop at their next collective instead of hanging
             assert res["fsdp"] != "trained", f"rank {r} trained on"

@@ -239,6 +239,7 @@ class FSDPEngine(Engine):
         self._ran: set[int] = set()  # units that ran in this forward
         self._pending: _Unit | None = None  # ran last, freed when another unit starts
         self._opaque: list[_Unit] = []  # ran without grad in this forward
+        self._calls: list[_Unit] = []  # units in the order they ran in this forward
         # Parameters the forward's outputs reach since the last backward (by id)
         self._expected: set[int] = set()
         self._expect_fresh = True
@@ -322,6 +323,7 @@ class FSDPEngine(Engine):
             return
         if u is self.root:
             self._ran = set()
+            self._calls = []  # units in the order they ran in this forward
             self._opaque = []
             self._unshard(u)
             self._schedule.start_forward()  # prefetches the first unit
@@ -332,6 +334,7 @@ class FSDPEngine(Engine):
             if id(u) in self._ran and not u.is_full:  # [Note: freeing after forward]
                 self._refuse_or_regather(u)
             self._ran.add(id(u))
+            self._calls.append(u)
             if not torch.is_grad_enabled():  # maybe inside a reentrant checkpoint, whose
                 self._opaque.append(u)  # recomputation in backward gives it gradients
             self._schedule.before_forward(u)  # catch up, u, prefetch
@@ -345,9 +348,10 @@ class FSDPEngine(Engine):
         if self.mesh.size == 1:
             self._unshard(u)
             return
+        calls = 1 + sum(1 for v in self._calls if v is u)
         raise ConfigError(
-            f"fsdp: unit {u.name!r} ran again on rank {self.rank} after it was freed in the "
-            "same forward (another unit ran in between); its AllGather would have no partner "
+            f"fsdp: unit {u.name!r} ran again on rank {self.rank} (call {calls} in this forward) "
+            "after it was freed (another unit ran in between); its AllGather would have no partner "
             "on ranks that call it fewer times. Set mode.reshard_after_forward=false to keep "
             "units gathered until backward, or call it only consecutively"
         )
