@@ -556,13 +556,18 @@ def _without_nproc(argv: list[str] | None) -> list[str]:
     return out
 
 
+def launch(script: str, nproc: int, args: list[str]) -> int:
+    """Run `script args` on `nproc` local ranks under torchrun; its exit status."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", script, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(cmd, env=env).returncode
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "RANK" not in os.environ:  # not under torchrun: launch it, with these arguments
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={args.nproc}", __file__, *_without_nproc(argv)]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        sys.exit(subprocess.run(cmd, env=env).returncode)
+        sys.exit(launch(__file__, args.nproc, _without_nproc(argv)))
     result = run(args)
     if not result:
         return

@@ -51,3 +51,29 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert rows[theirs]["bytes_across_per_step"] == rows["torch_ddp"]["bytes_per_step"]
         assert rows[ours]["bytes_across_per_step"] == rows["ddp"]["bytes_per_step"]
     assert "- bytes across groups `fsdp_hybrid`" in md.read_text()
+
+
+def test_bench_tokens_smoke(tmp_path: Path) -> None:
+    """scripts/bench_tokens.py at 1 and 2 ranks: the floor, an engine and their compiled
+    twins (aot_eager: tracing only, quick) each give positive tokens/s in one table."""
+    out, md = tmp_path / "tokens.json", tmp_path / "tokens.md"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_tokens.py"), "--nproc", "1,2"]
+    cmd += ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16"]
+    cmd += ["--batch-per-rank", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"]
+    cmd += ["--modes", "fsdp", "--compile", "--backend", "aot_eager"]
+    cmd += ["--out", str(out), "--md", str(md)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    result = json.loads(out.read_text())
+    assert [la["world_size"] for la in result["launches"]] == [1, 2]
+    for la in result["launches"]:
+        rows = {r["contender"]: r for r in la["rows"]}
+        assert set(rows) == {"floor", "fsdp", "floor_compiled", "fsdp_compiled"}
+        assert la["tokens_per_step"] == 2 * 16 * la["world_size"]
+        for name, r in rows.items():
+            assert r["tokens_per_s"] > 0 and r["ratio_to_floor"] > 0, name
+        assert rows["floor"]["ratio_to_floor"] == 1.0
+        assert rows["fsdp_compiled"]["ratio_to_eager"] > 0
+    assert "| 2 | `fsdp_compiled` |" in md.read_text()

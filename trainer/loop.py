@@ -17,6 +17,7 @@ from tqdm import tqdm
 from trainer import checkpoint, comm, preempt, rundir
 from trainer import dist as tdist
 from trainer.build import data_dir, model_and_data
+from trainer.compile import compile_layers
 from trainer.config import engine_options, validate
 from trainer.data import make_eval_loader, make_loader
 from trainer.errors import TrainingError
@@ -134,6 +135,14 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     check_fit(model, dataset, *names)
     if env.is_rank0:  # what scripts/sample.py and export_hf.py rebuild the model from
         save_model_files(model, run_dir / "model", data_dir(dataset))
+    # After check_fit's forward of one sample: compiled for the training batch's shape
+    if cfg.train.compile:  # each layer's forward, the same layers in every mode
+        compile_layers(
+            model,
+            cfg.train.compile_backend,
+            cfg.mode.get("unit_classes"),
+            cfg.mode.get("repeated_children", True),
+        )
     loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
     eval_loader = None
     if held_out is not None:

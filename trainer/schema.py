@@ -33,6 +33,8 @@ class Train:
     eval_batches: int | None = None
     on_nonfinite: str = "stop"
     save_final: bool = True
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 @dataclass
