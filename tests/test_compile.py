@@ -70,8 +70,11 @@ def test_compiled_layers_train_as_eager(two_ranks, mode):
     for rank in two_ranks:
         r = rank[mode]
         (want, want_losses), (got, got_losses) = r["eager"], r["compiled"]
-        assert_state_close(got, want, atol=1e-6, rtol=1e-5)  # fp32 rounding: ~1e-8 here
-        torch.testing.assert_close(got_losses, want_losses, atol=1e-6, rtol=1e-5)
+        # Compiled kernels fuse and reorder fp32 sums: relative differences of ~1e-7 per
+        # op, which 3 SGD steps carry into parameters far below assert_state_close's
+        # atol 1e-5 / rtol 1e-4, and into losses far below the same bound.
+        assert_state_close(got, want)
+        torch.testing.assert_close(got_losses, want_losses, atol=1e-5, rtol=1e-4)
         # the engine's hooks stay outside the compiled forward: nothing breaks the graph,
         # and the three blocks share the graph compiled first (or reuse an earlier mode's)
         assert r["graph_breaks"] == 0
