@@ -569,14 +569,17 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" not in os.environ:  # not under torchrun: launch it, with these arguments
         sys.exit(launch(__file__, args.nproc, _without_nproc(argv)))
     result = run(args)
-    if not result:
-        return
-    text = markdown(result)
+    if result:
+        report(result, markdown(result), args.out, args.md)
+
+
+def report(result: dict, text: str, out: Path | None, md: Path | None) -> None:
+    """Print the table; write the figures as JSON to `out` and the table to `md`."""
     print(text)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.md:
-        args.md.write_text(text)
+    if out:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    if md:
+        md.write_text(text)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench import Built, _without_nproc, launch, timed_steps  # noqa: E402
+from bench import Built, _without_nproc, launch, report, timed_steps  # noqa: E402
 
 from trainer import dist as tdist  # noqa: E402
 from trainer.compile import compile_layers  # noqa: E402
@@ -273,12 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         "launches": launches,
     }
-    text = markdown(result)
-    print(text)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.md:
-        args.md.write_text(text)
+    report(result, markdown(result), args.out, args.md)
 
 
 if __name__ == "__main__":
