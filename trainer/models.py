@@ -229,18 +229,25 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
             self.lm_head.weight = self.wte.weight
+        # Every module first, then the residual projections again: the order of draws
+        # from the RNG that this model has always used (init_module does both per module).
         self.apply(self._init_weights)
-        # GPT-2 scales the residual output projections by 1/sqrt(2 * n_layer) so the
-        # residual stream's variance does not grow with depth.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        for module in self.modules():
+            self._scale_residual(module)
 
     def model_config(self) -> dict:
         """What trainer.lm.build_from_config rebuilds this model from (config.json)."""
         from trainer.lm import GPT_TYPE
 
         return {"model_type": GPT_TYPE, **self._sizes}
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise the parameters `module` (one of this model's) owns itself, as the
+        constructor does: trainer.materialize.SeededInit calls it module by module."""
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()  # ones and zeros, as its constructor left them
+        self._init_weights(module)
+        self._scale_residual(module)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -250,6 +257,13 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def _scale_residual(self, module: nn.Module) -> None:
+        # GPT-2 scales the residual output projections by 1/sqrt(2 * n_layer) so the
+        # residual stream's variance does not grow with depth.
+        if any(module is b.attn.c_proj or module is b.mlp.c_proj for b in self.blocks):
+            std = 0.02 / math.sqrt(2 * len(self.blocks))
+            nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(self, idx: Tensor) -> Tensor:
         B, T = idx.shape
