@@ -235,3 +235,13 @@ def test_a_module_with_parameters_and_no_init_is_refused():
         model = nn.Sequential(nn.Linear(4, 4), _Bare())
     with pytest.raises(ConfigError, match=r"module 1 \(_Bare\) has parameter gain and no init"):
         materialize(model, SeededInit(0), "cpu")
+
+
+def test_a_tied_weight_asked_for_by_another_unit_gets_its_owners_values():
+    expected = materialize(empty(gpt), SeededInit(3), "cpu").wte.weight.detach().reshape(-1)
+    model = empty(gpt)
+    out = torch.empty(model.wte.weight.numel())
+    # The head's unit asks for the tied weight, named as its owner (the embedding) has it.
+    request = Request("wte.weight", model.lm_head.weight, 0, out.numel(), out)
+    SeededInit(3).fill(model, [("lm_head", model.lm_head)], [request], "cpu")
+    assert torch.equal(out, expected)
