@@ -245,3 +245,12 @@ def test_a_tied_weight_asked_for_by_another_unit_gets_its_owners_values():
     request = Request("wte.weight", model.lm_head.weight, 0, out.numel(), out)
     SeededInit(3).fill(model, [("lm_head", model.lm_head)], [request], "cpu")
     assert torch.equal(out, expected)
+
+
+def test_fill_leaves_real_parameters_alone():
+    model = gpt()
+    request = Request("ln_f.weight", model.ln_f.weight, 0, 1, torch.empty(1))
+    with pytest.raises(ValueError, match="ln_f.weight: the parameter is not on the meta"):
+        SeededInit(0).fill(model, [("ln_f", model.ln_f)], [request], "cpu")
+    with pytest.raises(ValueError, match="module ln_f's parameters on the meta device"):
+        SeededInit(0).fill(model, [("ln_f", model.ln_f)], [], "cpu")

@@ -208,6 +208,12 @@ class SeededInit(Source):
                 )
                 if not own and not meta_buffers:
                     continue
+                real = [attr for attr, p in own if not p.is_meta]
+                if real:  # its init would overwrite them
+                    raise ValueError(
+                        f"fill expects module {name or '(root)'}'s parameters on the meta "
+                        f"device; {_join(name, real[0])} is not"
+                    )
                 # transformers' init functions skip a tensor flagged as initialised (what
                 # from_pretrained loaded): the flag is put back with the meta tensor.
                 flags = [p.__dict__.pop("_is_hf_initialized", None) for _, p in own]
