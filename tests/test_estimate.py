@@ -98,19 +98,20 @@ def _working(engine) -> int:
     are the shard gradients, model state, and not counted here."""
     fp32_out = engine.precision.reduce_dtype == torch.float32
     if engine.name == "fsdp":
+        bufs = [b for u in engine.units for b in u.flat_buffers]
+        slices = {id(b.grad_shard) for b in bufs}
+        # unit gradients on the module's parameters and no_sync's sums: the gradients
+        # that are not this rank's slices
+        local = [t for t in engine.state_tensors()["grads"] if id(t) not in slices]
         return (
-            sum(_nbytes(f.full) for f in engine._flats())
-            + sum(_nbytes(p.grad) for p in engine.module.parameters())
-            + sum(_nbytes(t) for t in engine._sums.tensors())
-            + sum(
-                _nbytes(rows.rows) + (0 if fp32_out else _nbytes(out))
-                for *_, out, rows in engine._reducing
-            )
-            + (0 if fp32_out else sum(_nbytes(out) for *_, out in engine._reduced))
+            sum(_nbytes(b.full) for b in bufs)
+            + sum(_nbytes(t) for t in local)
+            + sum(_nbytes(b.grad_input.rows) for b in bufs if b.grad_input is not None)
+            + (0 if fp32_out else sum(_nbytes(b.reduced) for b in bufs))
         )
     if engine.name == "zero":
         return sum(
-            (_nbytes(b.grad.rows) if b.grad is not None else 0)
+            (_nbytes(b.grad_input.rows) if b.grad_input is not None else 0)
             + (0 if fp32_out else _nbytes(b.reduced))
             for b in engine.buckets
         )

@@ -112,14 +112,14 @@ def _one_step_figures(env, mode: str) -> dict:
         engine.step()
     k = memory.optimizer_bytes_per_param(engine.optimizer)
     flats = [b for b in getattr(engine, "buckets", [])] or [
-        f for u in engine.units for f in u.flats
+        f for u in engine.units for f in u.flat_buffers
     ]
     return {
         "members": sorted(set(members)),
         "across": comm.stats.bytes_across,
         "sent": dict(comm.stats.bytes_sent),
         # what the replicas exchange: each buffer's slice and its control columns
-        "slice_elems": sum(f.layout.padded_numel // S + f.extra for f in flats),
+        "slice_elems": sum(f.layout.padded_numel // S + f.n_flags for f in flats),
         "held": held,
         "expected": memory.expected(mode, psi, P, 4, 4, k, shard_group_size=S),
         "expected_across": memory.expected_traffic_across(mode, psi, 4, P, S),

@@ -685,7 +685,9 @@ def _same(a: Any, b: Any) -> bool:
 
 def _local_state(engine) -> list:
     """This rank's parameters and optimizer state, with no communication."""
-    s = engine.sharded_state()
+    from trainer.parallel.state import sharded_state
+
+    s = sharded_state(engine)
     return [s["params"], s["optim"], s["replicated"]]
 
 

@@ -348,7 +348,9 @@ def _frozen(env, mode: str) -> dict:
     (x, y), *_ = batches("mlp", 1, BATCH)
     engine.backward(any_loss(engine(_slice(env, x)), _slice(env, y)))
     engine.step()
-    saved = engine.sharded_state()["replicated"]
+    from trainer.parallel.state import sharded_state
+
+    saved = sharded_state(engine)["replicated"]
     return {"want": want, "full": engine.full_state_dict(), "saved": saved}
 
 

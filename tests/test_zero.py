@@ -84,7 +84,7 @@ def _memory_probe(env):
             live["grads"]
             + live["comm"]
             + [p.grad for p in params if p.grad is not None]
-            + [b.shard_grad for b in engine.buckets if b.shard_grad is not None]
+            + [b.grad_shard for b in engine.buckets if b.grad_shard is not None]
         )
 
     peak = 0
@@ -106,7 +106,7 @@ def _memory_probe(env):
         grads_none = all(p.grad is None for p in params)
         # Every other fp32 storage alive in this process must be gradient state.
         known = {t.untyped_storage().data_ptr() for t in [x, out, loss]}
-        known |= {b.flat.untyped_storage().data_ptr() for b in engine.buckets}
+        known |= {b.full.untyped_storage().data_ptr() for b in engine.buckets}
         gc.collect()
         swept = _elements(
             o
@@ -116,19 +116,19 @@ def _memory_probe(env):
             and o.untyped_storage().data_ptr() not in known
         )
         engine.step()
-    flats = {b.flat.untyped_storage().data_ptr() for b in engine.buckets}
+    flats = {b.full.untyped_storage().data_ptr() for b in engine.buckets}
     return {
         "psi": sum(p.numel() for p in params),
-        "shards": sum(b.shard.numel() for b in engine.buckets),
+        "shards": sum(b.master.numel() for b in engine.buckets),
         "buckets": len(engine.buckets),
-        "bucket": max(b.flat.numel() for b in engine.buckets),
+        "bucket": max(b.full.numel() for b in engine.buckets),
         "optimizer": _elements(optimizer_state_tensors(engine.optimizer)),
         "optimizer_2d": sum(
             t.numel() for t in optimizer_state_tensors(engine.optimizer) if t.dim()
         ),
         "params": _elements(engine.state_tensors()["params"]),
         "params_in_flats": all(p.untyped_storage().data_ptr() in flats for p in params)
-        and all(b.shard.untyped_storage().data_ptr() in flats for b in engine.buckets),
+        and all(b.master.untyped_storage().data_ptr() in flats for b in engine.buckets),
         "grads_after": after,
         "grads_swept": swept,
         "grads_peak": peak,
@@ -139,7 +139,7 @@ def _memory_probe(env):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_memory_from_live_tensors(world):
-    from trainer.parallel.zero import _MAX_IN_FLIGHT
+    from trainer.parallel.zero import BUCKETS_IN_FLIGHT
 
     m = run_distributed(_memory_probe, world)[0]
     psi, shards, bucket = m["psi"], m["shards"], m["bucket"]
@@ -156,9 +156,9 @@ def test_sharded_memory_from_live_tensors(world):
     assert m["grads_none"]
     assert psi / world <= m["grads_after"] <= psi / world + bucket
     assert m["grads_swept"] <= psi / world + bucket, m
-    # During backward at most _MAX_IN_FLIGHT + 1 full buckets (and their shard outputs)
+    # During backward at most BUCKETS_IN_FLIGHT + 1 full buckets (and their shard outputs)
     # are alive: well under the full gradient that plain ZeRO-2 bookkeeping would keep.
-    bound = shards + (_MAX_IN_FLIGHT + 1) * bucket + _MAX_IN_FLIGHT * bucket // world
+    bound = shards + (BUCKETS_IN_FLIGHT + 1) * bucket + BUCKETS_IN_FLIGHT * bucket // world
     assert m["grads_peak"] <= bound < psi
     # Overlap: bucket 0 (the last layer) is on the wire before layer 0 has its gradient;
     # after the step every bucket is AllGathered.

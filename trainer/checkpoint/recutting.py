@@ -24,12 +24,13 @@ import torch
 from trainer import comm
 from trainer.checkpoint.files import read_meta, read_rank
 from trainer.errors import ConfigError
+from trainer.parallel import state as engine_state
 
 
 def prepare(path: Path, engine) -> tuple[dict, dict, dict | None]:
     """Read what this rank needs, check it, and cut this rank's state (no side effects)."""
     meta = read_meta(path)
-    mine, saved = engine.shard_layout(), meta["layout"]
+    mine, saved = engine_state.shard_layout(engine), meta["layout"]
     module = engine.module.state_dict()
     buffers = {k: tuple(module[k].shape) for k, name in mine["keys"] if name is None}
     _check_compatible(path / "meta.pt", meta, mine, buffers, type(engine.optimizer).__name__)

@@ -25,6 +25,7 @@ from trainer.checkpoint import agree, files
 from trainer.checkpoint.recutting import prepare
 from trainer.checkpoint.rng import set_rng_state
 from trainer.errors import ConfigError
+from trainer.parallel import state as engine_state
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -239,7 +240,7 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
             except ConfigError as e:
                 raise ConfigError(f"{path / 'meta.pt'}: {e}") from None
     with comm.unaccounted():
-        engine.load_sharded_state(state)
+        engine_state.load_sharded_state(engine, state)
     _keep_hparams(engine.optimizer, mine, stateful.get("scheduler"))
     if rng is not None:
         set_rng_state(rng)

@@ -26,6 +26,7 @@ from trainer import comm
 from trainer.checkpoint import agree, faults, files
 from trainer.checkpoint.rng import rng_state
 from trainer.errors import TrainingError
+from trainer.parallel import state as engine_state
 
 
 def maybe_save(
@@ -64,7 +65,7 @@ def save(
         tmp = Path(name[0])
         error = None
         try:
-            state = engine.sharded_state()
+            state = engine_state.sharded_state(engine)
             save_id = tmp.name.rsplit("-", 1)[1]
             shard = {"params": state["params"], "optim": state["optim"], "rng": rng_state()}
             header = {

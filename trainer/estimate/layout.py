@@ -29,7 +29,7 @@ from trainer.memory import bytes_per_element, optimizer_bytes_per_param
 from trainer.parallel import ENGINES, pieces
 from trainer.parallel.engine import OptimizerFactory, ParamGroupFn, split_by_options
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
-from trainer.parallel.zero import _MAX_IN_FLIGHT
+from trainer.parallel.zero import BUCKETS_IN_FLIGHT
 from trainer.precision import Precision
 
 KINDS = ("params", "master", "grads", "optimizer")
@@ -197,7 +197,7 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
     """Bytes a step holds beyond the model state and the activations, at their peak.
 
     ddp: none (its buckets are the gradients). zero: the flat gradient inputs of the
-    ReduceScatters in flight, at most `_MAX_IN_FLIGHT` + 1 buckets ([Note: bounded
+    ReduceScatters in flight, at most `BUCKETS_IN_FLIGHT` + 1 buckets ([Note: bounded
     buckets]), each (S, shard + flags) in the reduce dtype. fsdp: the engine's
     `working_set_bytes()`: full parameters and gradients of the root unit and of the two
     largest other units. Both keep every reduced slice until backward ends; in fp32 those
@@ -213,7 +213,7 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
         extra += sum((f.layout.shard_size(p.shard) + f.extra) * r for f in p.flats)
     if p.mode == "zero":
         rows = [p.shard * (f.layout.shard_size(p.shard) + f.extra) * r for f in p.flats]
-        return extra + sum(sorted(rows, reverse=True)[: _MAX_IN_FLIGHT + 1])
+        return extra + sum(sorted(rows, reverse=True)[: BUCKETS_IN_FLIGHT + 1])
     per_unit: dict[int, int] = {}
     for f in p.flats:
         per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (b + r)

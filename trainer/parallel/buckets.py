@@ -21,6 +21,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from trainer.parallel.used import Arrivals
+
 
 class Bucket(Protocol):
     params: list[torch.nn.Parameter]
@@ -39,28 +41,19 @@ class BucketQueue(Generic[B]):
     ):
         self.buckets = list(buckets)
         self._launch = launch  # starts one bucket's collective
-        self._names, self._mode = names, mode
         self._pending = [len(b.params) for b in self.buckets]  # gradients still to come
         self._index = {id(b): i for i, b in enumerate(self.buckets)}
-        self._ready: set[int] = set()  # parameters whose gradient arrived in this backward
+        self._arrived = Arrivals(names, mode)  # gradients of this backward
         self._next = 0  # first bucket not yet launched
 
     def ready(self, bucket: B, p: torch.nn.Parameter) -> None:
         """`p`'s gradient (in `bucket`) is complete for this backward: launch what can be."""
-        if id(p) in self._ready:
-            # Autograd accumulates a leaf's gradient once per backward; a second time means
-            # a backward nested in this one (reentrant checkpointing), which would end the
-            # step's communication early.
-            raise RuntimeError(
-                f"parameter {self._names[id(p)]!r} received its gradient twice in one "
-                f"backward; {self._mode} reduces each gradient once per backward"
-            )
-        self._ready.add(id(p))
+        self._arrived.add(p)  # refuses a second arrival
         self._pending[self._index[id(bucket)]] -= 1
         self.launch()
 
     def has_gradient(self, p: torch.nn.Parameter) -> bool:
-        return id(p) in self._ready
+        return p in self._arrived
 
     def launch(self, force: bool = False) -> None:
         """Launch buckets in order while they are complete; all the rest when `force`."""
@@ -73,5 +66,5 @@ class BucketQueue(Generic[B]):
     def reset(self) -> None:
         """After backward: every bucket waits for its gradients again."""
         self._pending = [len(b.params) for b in self.buckets]
-        self._ready.clear()
+        self._arrived.clear()
         self._next = 0

@@ -152,7 +152,7 @@ class DDPEngine(Engine):
             self._masters[i][1].grad = None
 
     @torch.no_grad()
-    def _params_from_masters(self) -> None:
+    def params_from_masters(self) -> None:
         if self.precision.mixed:
             for b in self.buckets:
                 for p, m in zip(b.params, b.masters, strict=True):
@@ -180,7 +180,7 @@ class DDPEngine(Engine):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         state = super().state_tensors()
         masters = [m for _, m in self._masters]
-        state["master"] = (masters if self.precision.mixed else []) + [*self._frozen.values()]
+        state["master"] = (masters if self.precision.mixed else []) + self.frozen_masters()
         # The buckets and, when separate, the masters' fp32 gradients.
         separate = [m.grad for m in masters if m.grad is not None]
         state["grads"] = [b.buffer for b in self.buckets] + separate

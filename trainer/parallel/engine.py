@@ -32,8 +32,7 @@ from torch import nn
 
 from trainer import comm, comm_groups, host
 from trainer.errors import ConfigError
-from trainer.parallel import state
-from trainer.parallel.state import ShardGroup
+from trainer.parallel.pieces import ShardGroup
 from trainer.precision import (
     LossScaler,
     Precision,
@@ -79,6 +78,7 @@ class Engine(ABC):
 
     name = "base"
     shards_parameters = False  # True: each rank keeps 1/P of the parameters' state
+    builds_from_meta = False  # takes a model on meta and allocates only its own slices
     optimizer: torch.optim.Optimizer  # set by each mode's constructor
     # What the formulas of memory.py ([Note: the expected figures]) need to know of a mode:
     sharded_kinds: frozenset[str] = frozenset()  # model-state kinds divided over the P ranks
@@ -91,6 +91,7 @@ class Engine(ABC):
         module: nn.Module,
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
+        device: torch.device | None = None,
     ):
         self.module = module
         self.world_size = comm.world_size()
@@ -101,11 +102,14 @@ class Engine(ABC):
         # [Note: master weights] in trainer/precision.py. Each mode builds its fp32
         # masters from the module's fp32 values, then casts the module.
         self.precision = precision or Precision()
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self.scaler = (scaler or LossScaler(enabled=False)).to(device)
-        # Ranks may have built the model with different seeds: rank 0's values win.
-        broadcast_tensors(list(module.parameters()) + list(module.buffers()))
-        self._buffers = [b for b in module.buffers()]
+        # where the model's state lives (given for a model whose parameters are on meta)
+        self.device = device or next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.scaler = (scaler or LossScaler(enabled=False)).to(self.device)
+        # Ranks may have built the model with different seeds: rank 0's values win. On
+        # meta there are no values yet: every rank gets the same ones from its source.
+        tensors = list(module.parameters()) + list(module.buffers())
+        broadcast_tensors([t for t in tensors if not t.is_meta])
+        self._module_buffers = [b for b in module.buffers()]
         self._buffers_changed = False  # a training forward ran since the last broadcast
         self._sync = True
         # fp16: the ranks' agreed found-inf flag, 0-d on the device, once unscaled
@@ -123,9 +127,20 @@ class Engine(ABC):
                 self._frozen[id(p)] = p.detach().clone()
         cast_module(self.module, self.precision.param_dtype)
 
-    def _whole(self, v: torch.Tensor) -> torch.Tensor:
+    def whole_copy(self, v: torch.Tensor) -> torch.Tensor:
         """A tensor every rank keeps whole (buffer, frozen parameter) as an fp32 CPU copy."""
         return _fp32(self._frozen.get(id(v), v).detach().cpu().clone())
+
+    @torch.no_grad()
+    def load_whole(self, v: torch.Tensor, value: torch.Tensor) -> None:
+        """`value` into a tensor every rank keeps whole, and into its fp32 copy if cast."""
+        v.copy_(value)
+        if id(v) in self._frozen:
+            self._frozen[id(v)].copy_(value)
+
+    def frozen_masters(self) -> list[torch.Tensor]:
+        """fp32 values of frozen parameters the module computes with in a lower dtype."""
+        return list(self._frozen.values())
 
     # -- forward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -143,8 +158,8 @@ class Engine(ABC):
         return self.precision.cast_out(out)
 
     def _broadcast_buffers(self) -> None:
-        if self._buffers and self.world_size > 1:
-            broadcast_tensors(self._buffers)
+        if self._module_buffers and self.world_size > 1:
+            broadcast_tensors(self._module_buffers)
 
     # -- backward and step ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -222,9 +237,6 @@ class Engine(ABC):
             self._found_inf = found.reshape(())
         return self._found_inf
 
-    def _device(self) -> torch.device:
-        return next(self.module.parameters()).device
-
     # -- what every mode implements -----------------------------------------------------
     @abstractmethod
     def _finish_backward(self) -> None:
@@ -235,9 +247,9 @@ class Engine(ABC):
     def _step(self) -> None:
         self.optimizer.step()
         self.zero_grad()
-        self._params_from_masters()
+        self.params_from_masters()
 
-    def _params_from_masters(self) -> None:
+    def params_from_masters(self) -> None:
         """Bring the module's compute-precision parameters up to date with the masters
         (after a step, after loading a checkpoint). Modes whose module parameters are not
         what the optimizer steps implement it."""
@@ -266,7 +278,7 @@ class Engine(ABC):
         for k, v in self.module.state_dict(keep_vars=True).items():
             t = values.get(id(v))
             # buffers and frozen parameters: every rank holds them whole
-            out[k] = t if t is not None else self._whole(v)
+            out[k] = t if t is not None else self.whole_copy(v)
         return out
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -282,7 +294,7 @@ class Engine(ABC):
         opt = self.optimizer
         return {
             "params": params,
-            "master": list(self._frozen.values()),
+            "master": self.frozen_masters(),
             "grads": grads,
             "optimizer": optimizer_state_tensors(opt),
             "comm": [],
@@ -314,7 +326,7 @@ class Engine(ABC):
         """
         self._unscale()  # clip the true gradients, not the loss-scaled ones
         grads, sharded = self.grad_tensors()
-        device = self._device()
+        device = self.device
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
         sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
         if sharded:  # each slice once: summed over one shard group, not its replicas
@@ -337,6 +349,10 @@ class Engine(ABC):
         finally:
             self._sync = prev
 
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
@@ -349,15 +365,6 @@ class Engine(ABC):
     def shard_groups(self) -> list[ShardGroup]:
         """Where this rank's trainable state lives, one group per flat buffer of the mode
         (ddp: one per parameter), in a fixed order."""
-
-    def shard_layout(self) -> dict[str, Any]:
-        return state.shard_layout(self)
-
-    def sharded_state(self) -> dict[str, Any]:
-        return state.sharded_state(self)
-
-    def load_sharded_state(self, saved: dict[str, Any]) -> None:
-        state.load_sharded_state(self, saved)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

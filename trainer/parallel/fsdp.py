@@ -1,78 +1,21 @@
 """mode=fsdp (ZeRO-3): each rank stores 1/P of every unit's parameters, gradients and
 optimizer state; a unit's full parameters exist only while it runs.
 
-The model is cut into units (one per transformer block / residual block / large
-submodule, see units.py); the root unit holds what is left. Each unit's parameters are
-laid end to end in one flat buffer, padded to a multiple of P (flat.py), and rank r keeps
-only its slice [r*S, (r+1)*S); the optimizer steps one piece of it per parameter
-([Note: per-parameter optimizer tensors] in pieces.py).
+The model is cut into units (units.py: one per transformer block, residual block or
+large submodule; the root unit holds the rest). Each unit's parameters are one
+ShardedBuffer (sharded.py) per optimizer param group; rank r keeps slice r.
 
-    forward of unit i:   AllGather(unit i) -> compute -> free (reshard_after_forward)
-                         the AllGather of unit i+1 is already in flight meanwhile
-    backward of unit i:  AllGather(unit i) again -> compute -> grads into one flat buffer
-                         -> ReduceScatter(average) into the shard's .grad -> free
-                         the AllGather of unit i-1 is already in flight meanwhile
+    forward of unit i   AllGather(unit i) -> compute -> free   (unit i+1 already gathering)
+    backward of unit i  AllGather(unit i) -> compute -> ReduceScatter(average) its
+                        gradients into slice r -> free         (unit i-1 already gathering)
 
-What a rank holds and sends per step: the mode table in README.md (memory.py checks runs
-against it; `working_set_bytes` below is the transient part). The root unit, like
-FSDP2's, stays gathered from forward through backward: it runs first and last, so
-freeing it in between would only gather it again. `reshard_after_forward=False` keeps
-every unit gathered from its forward until its backward. `no_sync()` keeps each unit's
-full gradients on its module parameters until the synced backward reduces them.
-Buffers and frozen parameters stay whole on every rank and follow rank 0, as in ddp;
-tied parameters live in the unit enclosing all their uses (units.py). Parameters with
-different optimizer options get flat buffers of their own within a unit, so that a
-buffer's pieces share one param group; such a unit runs one AllGather and one
-ReduceScatter per buffer, at the same points.
+What each rank holds and sends: the mode table in README.md (memory.py checks runs
+against it; `working_set_bytes` is the transient part). Read next: sharded.py (the
+buffer and its reduce pipeline), units.py (the cut), schedule.py (the one order of
+collectives in backward), engine.py (what every mode shares).
 
-With `shard_group_size=S` each unit is cut into S slices: the ranks of one shard group
-split it and gather it among themselves, the P/S groups hold replicas and average the
-reduced slices across them ([Note: hybrid sharding] in comm_groups.py).
-
-Mixed precision ([Note: master weights] in precision.py): the shards stay fp32 as the
-masters; a unit's full buffer is `param_dtype` and each AllGather sends the shard cast to
-it, as FSDP2's MixedPrecisionPolicy does; gradients are reduced in `reduce_dtype` and
-kept in fp32 beside the shards.
-
-The end of backward (units that got no gradient, the root unit's ReduceScatter, which
-carries the used-flags of [Note: used flags] in used.py, and the waits) runs from
-autograd's end-of-backward callback ([Note: end of backward] in engine.py). Collectives
-follow one order on every rank ([Note: one collective order on every rank] in
-schedule.py).
 `engine.full_state_dict()` is a collective. Between steps the module's parameters are
 empty tensors: count them before building the engine.
-
-[Note: parameters as views of one storage]
-Module parameters stay registered (the same objects autograd knows as leaves) with their
-values in one persistent flat buffer per unit, `full`. Resharding frees its storage
-(`untyped_storage().resize_(0)`) and points each parameter at an empty tensor, so code
-touching a freed parameter fails on its shape instead of reading freed memory.
-Unsharding re-allocates the storage, AllGathers into it and points each parameter back at
-its view (`p.data = view`). Autograd saves parameters and views of them (`w.t()`) during
-forward; they share that storage, so they are valid again once the unit is gathered
-before its backward, while between forward and backward the memory is really free.
-`p.data = ...` is discouraged in general because it swaps a tensor's storage behind
-autograd's back (version counters do not see it). Here that is the point and it is safe:
-the swap happens only while no autograd op reads the parameter (before its unit runs,
-after its gradients exist), every swap points at the same persistent storage, and the
-values autograd saved are views of that storage, valid whenever the unit is gathered.
-The alternative, swapping parameters for new tensors each step, would break the
-identity that optimizers, hooks and users' references rely on.
-
-[Note: activation checkpointing]
-`torch.utils.checkpoint` (non-reentrant) reruns a checkpointed unit's forward during
-backward, hooks included, when autograd first needs one of its activations. That rerun
-is not a new forward: it must neither AllGather the unit a second time, nor prefetch the
-next unit, record the unit in the forward order, register backward hooks, nor free the
-parameters its backward is about to use. The pre-forward hook recognises it by the
-engine's own state, as FSDP2's training state does: a forward while this engine's
-backward is under way (`_in_backward`, set by the first hook of the backward and
-cleared by the end-of-backward callback) is a recomputation. It only makes sure the unit
-is gathered: normally the unit's pre-backward hook already did that and the recomputation reuses the
-gathered parameters; when the checkpointed region ends after the unit (its recomputation
-then comes before the gradient reaches the unit) this is the unit's one AllGather of
-the backward, and the pre-backward hook finds it gathered. Either way each unit is
-gathered once for backward and freed after its gradients are reduced.
 """
 
 from __future__ import annotations
@@ -86,71 +29,94 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from trainer import comm, comm_groups
+from trainer.comm_groups import Mesh
 from trainer.errors import ConfigError
-from trainer.flat import FlatLayout, ScatterInput
-from trainer.parallel import pieces
+from trainer.materialize import Source, swap_into
 from trainer.parallel.engine import (
     Engine,
     OptimizerFactory,
     ParamGroupFn,
-    ShardGroup,
     optimizer_state_tensors,
     param_groups,
     split_by_options,
 )
+from trainer.parallel.pieces import ShardGroup
 from trainer.parallel.schedule import Schedule
+from trainer.parallel.sharded import Reducer, ShardedBuffer
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
-from trainer.parallel.used import UsedFlags
+from trainer.parallel.used import Arrivals, UsedFlags
 from trainer.precision import GradAccumulator, LossScaler, Precision
 
 
-class _Flat:
-    """One flat buffer of a unit: its parameters of one optimizer param group, padded to a
-    multiple of P; this rank keeps slice r as `shard` (fp32), which the optimizer steps
-    piece by piece."""
+class _UnitBuffer(ShardedBuffer):
+    """A unit's ShardedBuffer whose `full` buffer is allocated only while the unit is
+    gathered; `master` is the fp32 slice (mixed precision: each AllGather sends it cast
+    to the compute dtype, as FSDP2's MixedPrecisionPolicy does).
+
+    [Note: parameters as views of one storage]
+    Module parameters stay registered (the same objects autograd knows as leaves) with
+    their values in the one persistent `full` buffer. Freeing resizes its storage to 0
+    and points each parameter at an empty tensor, so code touching a freed parameter
+    fails on its shape instead of reading freed memory. Gathering re-allocates the
+    storage, AllGathers into it and points each parameter back at its view
+    (`p.data = view`). Autograd saves parameters and views of them (`w.t()`) in forward;
+    they share that storage, so they are valid again once the unit is gathered for its
+    backward, while between forward and backward the memory is really free.
+    `p.data = ...` swaps a tensor's storage behind autograd's back, which is unsafe in
+    general; here the swap happens only while no autograd op reads the parameter (before
+    its unit runs, after its gradients exist) and always to the same storage. Swapping
+    in new Parameter objects instead would break the identity that optimizers, hooks and
+    users' references rely on."""
 
     def __init__(
         self,
         tag: str,
-        pairs: list[tuple[str, nn.Parameter]],
-        flags: list[int],
+        named: Sequence[tuple[str, nn.Parameter]],
+        flags: Sequence[int],
         options: dict[str, Any],
-        world_size: int,
-        rank: int,
-        mp: Precision,
+        mesh: Mesh,
+        precision: Precision,
+        device: torch.device,
     ):
-        self.tag, self.options = tag, options
-        self.names = [n for n, _ in pairs]
-        self.params = [p for _, p in pairs]
-        self.layout = FlatLayout.of(self.params, world_size)
-        self.world_size = world_size
-        like = self.params[0]
-        n, s = self.layout.padded_numel, self.layout.shard_size(world_size)
-        self.full = torch.zeros(n, dtype=like.dtype, device=like.device)  # (P*S,)
-        self.layout.copy_in(self.full, [p.detach() for p in self.params])
-        self.shard = self.full[rank * s : (rank + 1) * s].clone()  # (S,)
-        self.pieces = pieces.cut(self.names, flags, self.layout, self.shard, rank)
-        self.shard_grad: torch.Tensor | None = None  # (S,) fp32, the pieces' gradients
-        self.extra = 0  # control elements of its ReduceScatter (the root's used-flags)
-        if mp.mixed:  # the shard above is the fp32 master; compute in param_dtype
-            self.full = self.full.to(mp.param_dtype)
+        super().__init__(tag, named, flags, options, mesh, precision, False, device)
         self.nbytes = self.full.untyped_storage().nbytes()
-        self.reduce_dtype = mp.reduce_dtype
-        self.views = self.layout.views(self.full)  # [Note: parameters as views of one storage]
+        self.views = self.layout.views(self.full)
         self.empty = self.full.new_empty(0)
-        self.full.untyped_storage().resize_(0)
-        for p in self.params:
-            p.data = self.empty
-        self.gather: comm.Handle | None = None  # AllGather in flight into self.full
+        self.gather: comm.Handle | None = None  # AllGather in flight into `full`
 
     @property
     def is_full(self) -> bool:  # gathered, or being gathered
         return self.full.untyped_storage().nbytes() > 0
 
+    def unshard(self, group: Any) -> None:
+        """Launch the AllGather of the full parameters, unless they are there already."""
+        if self.is_full:
+            return
+        self.full.untyped_storage().resize_(self.nbytes)
+        mine = self.master.detach().to(self.full.dtype)  # a cast copy in mixed precision
+        self.gather = comm.all_gather(self.full, mine, tag=self.tag, group=group)
+
+    def wait(self) -> None:
+        """The AllGather done: the parameters point into `full` again."""
+        if self.gather is not None:
+            self.gather.wait()
+            self.gather = None
+            for p, view in zip(self.params, self.views, strict=True):
+                p.data = view
+
+    def free(self) -> None:
+        self.wait()  # the collective may still be writing into the storage
+        for p in self.params:
+            if p.is_meta:  # built on meta: `p.data =` cannot change a tensor's device
+                swap_into(p, self.empty)
+            else:
+                p.data = self.empty
+        self.full.untyped_storage().resize_(0)
+
 
 class _Unit:
-    """A submodule whose parameters are gathered and freed together: one flat buffer, or
-    one per optimizer param group (e.g. weights and, with no weight decay, biases and
+    """A submodule whose parameters are gathered and freed together: one buffer, or one
+    per optimizer param group (e.g. weights and, with no weight decay, biases and
     norms), all gathered and reduced at the same points."""
 
     def __init__(
@@ -158,10 +124,10 @@ class _Unit:
         tag: str,
         plan: UnitPlan,
         used: UsedFlags,
-        world_size: int,
-        rank: int,
+        mesh: Mesh,
         mp: Precision,
         param_options: ParamGroupFn | None,
+        device: torch.device,
     ):
         self.tag, self.name, self.module = tag, plan.name or "<root>", plan.module
         self.params = [p for _, p in plan.params]
@@ -169,15 +135,15 @@ class _Unit:
             names = [n for n, _ in plan.params]
             raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {names}")
         groups = split_by_options(plan.params, param_options)
-        self.flats = [
-            _Flat(
+        self.flat_buffers = [
+            _UnitBuffer(
                 tag if i == 0 else f"{tag}.{i}",
                 pairs,
                 [used.index[id(p)] for _, p in pairs],
                 opts,
-                world_size,
-                rank,
+                mesh,
                 mp,
+                device,
             )
             for i, (opts, pairs) in enumerate(groups)
         ]
@@ -187,12 +153,23 @@ class _Unit:
 
     @property
     def is_full(self) -> bool:  # gathered, or being gathered (nothing to gather: always)
-        return all(f.is_full for f in self.flats)
+        return all(b.is_full for b in self.flat_buffers)
 
 
 class FSDPEngine(Engine):
+    """The root unit, like FSDP2's, stays gathered from forward through backward: it runs
+    first and last, so freeing it in between would only gather it again.
+    `reshard_after_forward=False` keeps every unit gathered from its forward until its
+    backward. `no_sync()` keeps each unit's full gradients on its module parameters until
+    the synced backward reduces them. Buffers and frozen parameters stay whole on every
+    rank and follow rank 0, as in ddp; tied parameters live in the unit enclosing all
+    their uses (units.py). With `shard_group_size=S` units are cut into S slices and
+    replicas average them ([Note: hybrid sharding] in comm_groups.py). The end of
+    backward runs from autograd's callback ([Note: end of backward] in engine.py)."""
+
     name = "fsdp"
     shards_parameters = True
+    builds_from_meta = True  # [Note: building on meta] in parallel/__init__.py
     sharded_kinds = frozenset({"params", "grads", "optimizer"})
     masters_are_params = True
     grads_sent, params_sent = 1.0, 2.0  # ReduceScatter, AllGather before forward and backward
@@ -210,9 +187,12 @@ class FSDPEngine(Engine):
         scaler: LossScaler | None = None,
         param_options: ParamGroupFn | None = None,
         shard_group_size: int | None = None,
+        source: Source | None = None,
+        device: torch.device | None = None,
     ):
-        # rank 0's initial values reach every rank before sharding
-        super().__init__(module, precision, scaler)
+        # rank 0's initial values reach every rank before sharding (a model built on meta:
+        # every rank reads or draws the same values from `source`)
+        super().__init__(module, precision, scaler, device)
         self.mesh = comm_groups.mesh(shard_group_size)  # [Note: hybrid sharding]
         self.reshard_after_forward = reshard_after_forward
         classes = DEFAULT_UNIT_CLASSES if unit_classes is None else tuple(unit_classes)
@@ -221,19 +201,25 @@ class FSDPEngine(Engine):
             plan.params = [(n, p) for n, p in plan.params if p.requires_grad]
         tags = ["root"] + [f"unit{i}" for i in range(len(plans) - 1)]
         self._used = UsedFlags([p for u in plans for _, p in u.params])  # [Note: used flags]
-        self.units = [
-            _Unit(t, u, self._used, self.mesh.size, self.mesh.rank, self.precision, param_options)
-            for t, u in zip(tags, plans, strict=True)
-        ]
+        self.units = []
+        for tag, plan in zip(tags, plans, strict=True):  # one unit allocated at a time
+            unit = _Unit(
+                tag, plan, self._used, self.mesh, self.precision, param_options, self.device
+            )
+            if source is not None:  # built on meta: this rank's slices, nothing more
+                requests = [r for b in unit.flat_buffers for r in b.slice_requests()]
+                source.fill(module, [], requests, self.device)
+            for b in unit.flat_buffers:
+                b.free()
+            self.units.append(unit)
         if self.precision.mixed:  # buffers (parameters already point at cast buffers)
             self._cast_module()
         self.root = self.units[0]
-        # The root is reduced last, from the end-of-backward callback; its first flat
-        # buffer carries the used-flags (a root without trainable parameters sends them
-        # in one small AllReduce of their own).
-        if self.root.flats:
-            self.root.flats[0].extra = len(self._used)
-        self._flags: torch.Tensor | None = None  # reduced used-flags of this step
+        # The root is reduced last, from the end-of-backward callback; its first buffer
+        # carries the used-flags (a root without trainable parameters sends them in one
+        # small AllReduce of their own).
+        if self.root.flat_buffers:
+            self.root.flat_buffers[0].n_flags = len(self._used)
         # [Note: one collective order on every rank] in schedule.py
         self._schedule = Schedule(self.units[1:], self._unshard, self._turn)
         self._ran: set[int] = set()  # units that ran in this forward
@@ -243,54 +229,36 @@ class FSDPEngine(Engine):
         # Parameters the forward's outputs reach since the last backward (by id)
         self._expected: set[int] = set()
         self._expect_fresh = True
-        self._ready: set[int] = set()  # parameters whose gradient arrived in this backward
         self._names = {id(p): n for u in plans for n, p in u.params}
+        self._arrived = Arrivals(self._names, self.name)  # gradients of this backward
         # AllGathers on a group of their own: a rank that skips a unit reduces it later in
         # backward than the others, so AllGathers and ReduceScatters interleave
         # differently across ranks, while each kind alone keeps one order.
         self._gather_group = comm_groups.second_group(self.mesh.shard)
-        # ReduceScatters in flight, in launch order: (buffer, handle, output, input)
-        self._reducing: list[tuple[_Flat, comm.Handle, torch.Tensor, ScatterInput]] = []
-        # Inputs freed, results pending (an AllReduce across replicas, or none):
-        # (buffer, handle or None, output), taken in the end-of-backward callback.
-        self._reduced: list[tuple[_Flat, comm.Handle | None, torch.Tensor]] = []
+        self._reducer = Reducer(self.mesh, self._used)
         self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             for p in u.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p))
-        flats = [f for u in self.units for f in u.flats]
         self.optimizer = optimizer(
-            param_groups(
-                (f.options, t) for f in flats for t in pieces.optimizer_tensors(f.pieces, f.shard)
-            )
+            param_groups(t for b in self._buffers() for t in b.optimizer_tensors())
         )
 
     # -- unshard / reshard ---------------------------------------------------------------
     def _unshard(self, u: _Unit) -> None:
-        """Launch the AllGather of `u`'s full parameters, unless they are there already."""
-        for f in u.flats:
-            if f.is_full:
-                continue
-            f.full.untyped_storage().resize_(f.nbytes)
-            shard = f.shard.detach().to(f.full.dtype)  # a cast copy when mixed precision
-            f.gather = comm.all_gather(f.full, shard, tag=f.tag, group=self._gather_group)
+        """Launch the AllGathers of `u`'s full parameters, unless they are there already."""
+        for buf in u.flat_buffers:
+            buf.unshard(self._gather_group)
 
     def _wait(self, u: _Unit) -> None:
-        for f in u.flats:
-            if f.gather is not None:
-                f.gather.wait()
-                f.gather = None
-                for p, view in zip(f.params, f.views, strict=True):
-                    p.data = view
+        for buf in u.flat_buffers:
+            buf.wait()
 
     def _reshard(self, u: _Unit) -> None:
-        self._wait(u)  # the collective may still be writing into the storage
-        for f in u.flats:
-            for p in f.params:
-                p.data = f.empty
-            f.full.untyped_storage().resize_(0)
+        for buf in u.flat_buffers:
+            buf.free()
 
     # -- forward ---------------------------------------------------------------------------
     # [Note: freeing after forward]
@@ -308,7 +276,17 @@ class FSDPEngine(Engine):
     # With reshard_after_forward=false units stay gathered until backward: any number of
     # calls, in any order.
     def _pre_forward(self, u: _Unit) -> None:
-        if self._in_backward:  # [Note: activation checkpointing]
+        # [Note: activation checkpointing]
+        # torch.utils.checkpoint (non-reentrant) reruns a checkpointed unit's forward in
+        # backward, hooks included, when autograd first needs one of its activations. That
+        # rerun is not a new forward: it must not gather the unit a second time, prefetch,
+        # record the forward order, register backward hooks, or free what its backward is
+        # about to use. It is recognised by the engine's own state, as FSDP2's training
+        # state does: a forward while this engine's backward is under way. It only makes
+        # sure the unit is gathered: usually its pre-backward hook did that already; when
+        # the checkpointed region ends after the unit (the recomputation then comes before
+        # the gradient reaches the unit) this is the unit's one AllGather of the backward.
+        if self._in_backward:
             if u.done and u.params and u is not self.root:  # a backward nested in this one
                 name = self._names[id(u.params[0])]
                 raise RuntimeError(
@@ -441,13 +419,7 @@ class FSDPEngine(Engine):
     def _on_grad(self, u: _Unit, p: nn.Parameter) -> None:
         self._begin_backward()
         self._used.mark(p)
-        if id(p) in self._ready:
-            # Autograd accumulates a leaf once per backward; twice means a backward nested
-            # in this one (reentrant checkpointing) that would leave this gradient behind.
-            raise RuntimeError(
-                f"parameter {self._names[id(p)]!r} received its gradient twice in one "
-                "backward (reentrant checkpointing?); fsdp needs use_reentrant=False"
-            )
+        self._arrived.add(p)  # refuses a second arrival
         if u.done and u is not self.root:
             # Its turn in the one order may have passed: the gradient would be lost.
             raise RuntimeError(
@@ -455,7 +427,6 @@ class FSDPEngine(Engine):
                 "outputs do not lead to (used outside the model's forward, or reentrant "
                 "checkpointing?); fsdp reduces each unit once, at its turn"
             )
-        self._ready.add(id(p))
         if id(p) in self._expected or u is self.root:
             u.ready += 1
         # The root is reduced from the end-of-backward callback, last.
@@ -473,9 +444,9 @@ class FSDPEngine(Engine):
             # no_sync: full gradients stay on the module parameters and keep accumulating
             # over micro-batches (in the reduce dtype when the parameters compute in a
             # lower one); the next synced backward reduces the sum.
-            for f in u.flats:
-                for p in f.params:
-                    self._sums.add(p, f.reduce_dtype)
+            for buf in u.flat_buffers:
+                for p in buf.params:
+                    self._sums.add(p, buf.reduce_dtype)
         if u is not self.root:
             self._schedule.advance()
 
@@ -488,50 +459,15 @@ class FSDPEngine(Engine):
             self._reduce(u)
 
     def _reduce(self, u: _Unit) -> None:
-        """ReduceScatter (average) `u`'s gradients into its shards' gradients."""
-        for f in u.flats:
-            flat = ScatterInput(f.layout, f.world_size, f.extra, f.reduce_dtype, f.full.device)
-            for i, p in enumerate(f.params):
-                g = self._sums.take(p)
-                flat.zero(i) if g is None else flat.write(i, g)
-            if f.extra:
-                self._used.fill(flat.control)
-            out = torch.empty(flat.shard + f.extra, dtype=f.reduce_dtype, device=f.full.device)
-            handle = comm.reduce_scatter(
-                out, flat.input, average=True, tag=f.tag, group=self.mesh.shard
-            )
-            self._reducing.append((f, handle, out, flat))
+        """ReduceScatter (average) `u`'s gradients into its slices' gradients."""
+        for buf in u.flat_buffers:
+            for p in buf.params:
+                buf.write_grad(p, self._sums.take(p))
+            self._reducer.launch(buf)
         # Earlier ReduceScatters ran while this unit computed: free their inputs. Safe to
         # wait for: every rank issued them before anything this rank issued since
         # ([Note: one collective order on every rank]).
-        while len(self._reducing) > len(u.flats):
-            self._release()
-
-    def _release(self) -> None:
-        """Wait for the oldest ReduceScatter and free its full-size input; keep its output
-        for the end of backward, averaged across replicas first when there are any
-        ([Note: hybrid sharding] in comm_groups.py). As FSDP2: the compute stream waits
-        for the collective here, to reuse the input's memory; the result is consumed in
-        the end-of-backward callback."""
-        f, handle, out, _ = self._reducing.pop(0)
-        handle.wait()
-        across = None
-        if self.mesh.replicate is not None:
-            across = comm.all_reduce(out, average=True, tag=f.tag, group=self.mesh.replicate)
-        self._reduced.append((f, across, out))
-
-    def _collect(self) -> None:
-        f, handle, out = self._reduced.pop(0)
-        if handle is not None:
-            handle.wait()
-        n = out.numel() - f.extra
-        if f.extra:
-            self._flags = out[n:]
-        reduced = out[:n].float()  # the shard's dtype; no copy when already fp32
-        if f.shard_grad is None:
-            f.shard_grad = reduced
-        else:  # several synced backwards before a step accumulate, as in torch
-            f.shard_grad.add_(reduced)
+        self._reducer.release_beyond(len(u.flat_buffers))
 
     def _finish_backward(self) -> None:
         # [Note: one collective order on every rank]: units whose gradients did not all
@@ -543,32 +479,28 @@ class FSDPEngine(Engine):
         self._schedule.end_backward()
         if self._sync:
             self._reduce(self.root)
-        while self._reducing:
-            self._release()
-        while self._reduced:
-            self._collect()
+        flags = self._reducer.finish()
         if self._sync:
-            if not self.root.flats and self.world_size > 1:  # no root buffer to ride on
-                self._flags = self._flags_alone()
-            unused = self._used.unused_everywhere(self._flags)
-            for f in self._flats():
-                pieces.hand_out(f.pieces, f.shard_grad, unused)
-            self._flags = None
+            if not self.root.flat_buffers and self.world_size > 1:  # no root buffer to ride on
+                flags = self._flags_alone()
+            unused = self._used.unused_everywhere(flags)
+            for buf in self._buffers():
+                buf.hand_out(unused)
         for u in self.units:
             self._reshard(u)
             u.ready, u.done = 0, False
-        self._ready.clear()
+        self._arrived.clear()
         self._expect_fresh = True  # the next forward's graph says what the next backward gets
         self._schedule.reset_backward()
 
     def _flags_alone(self) -> torch.Tensor:
-        flags = torch.empty(len(self._used), device=self._device())
+        flags = torch.empty(len(self._used), device=self.device)
         self._used.fill(flags)
         comm.all_reduce(flags, tag="used_flags", account=False).wait()
         return flags
 
-    def _flats(self) -> list[_Flat]:
-        return [f for u in self.units for f in u.flats]
+    def _buffers(self) -> list[_UnitBuffer]:
+        return [buf for u in self.units for buf in u.flat_buffers]
 
     def working_set_bytes(self) -> int:
         """Full params (their dtype) and grads (reduce dtype) of the root unit, gathered
@@ -577,8 +509,8 @@ class FSDPEngine(Engine):
 
         def working(u: _Unit) -> int:
             return sum(
-                f.layout.padded_numel * (f.full.element_size() + f.reduce_dtype.itemsize)
-                for f in u.flats
+                buf.layout.padded_numel * (buf.full.element_size() + buf.reduce_dtype.itemsize)
+                for buf in u.flat_buffers
             )
 
         others = sorted((working(u) for u in self.units[1:]), reverse=True)
@@ -587,13 +519,13 @@ class FSDPEngine(Engine):
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         # This rank's (S,) slice of each flat buffer's averaged gradient; padding is zero,
         # and so are the slots of parameters that no rank used.
-        return [f.shard_grad for f in self._flats() if f.shard_grad is not None], True
+        return [b.grad_shard for b in self._buffers() if b.grad_shard is not None], True
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for u in self.units:
-            for f in u.flats:
-                f.shard_grad = None
+            for buf in u.flat_buffers:
+                buf.grad_shard = None
             for p in u.params:  # full gradients kept by no_sync
                 p.grad = None
         self._sums.clear()
@@ -602,20 +534,20 @@ class FSDPEngine(Engine):
     # -- state -----------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         module_grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
-        flats = self._flats()
+        bufs = self._buffers()
         return {
-            # fp32 shards (the masters too, in mixed precision) and gathered full buffers
-            "params": [f.shard for f in flats]
-            + [f.full for f in flats if f.is_full]
+            # fp32 slices (the masters too, in mixed precision) and gathered full buffers
+            "params": [b.master for b in bufs]
+            + [b.full for b in bufs if b.is_full]
             + [p for p in self.module.parameters() if not p.requires_grad],
-            "grads": [f.shard_grad for f in flats if f.shard_grad is not None]
+            "grads": [b.grad_shard for b in bufs if b.grad_shard is not None]
             + module_grads
             + self._sums.tensors(),
             "optimizer": optimizer_state_tensors(self.optimizer),
-            "comm": [t for _, _, out, flat in self._reducing for t in (out, flat.rows)]
-            + [out for _, _, out in self._reduced],
+            "comm": [b.grad_input.rows for b in bufs if b.grad_input is not None]
+            + [b.reduced for b in bufs if b.reduced is not None],
         }
 
     def shard_groups(self) -> list[ShardGroup]:
-        # Rank r's slice of each flat buffer; the optimizer steps its pieces.
-        return [ShardGroup(f.names, f.layout, f.shard, f.pieces, True) for f in self._flats()]
+        # Rank r's slice of each buffer; the optimizer steps its pieces.
+        return [ShardGroup(b.names, b.layout, b.master, b.pieces, True) for b in self._buffers()]

@@ -36,6 +36,17 @@ class Piece:
     tensor: nn.Parameter  # view of the shard: the optimizer's tensor
 
 
+@dataclass
+class ShardGroup:
+    """One flat buffer of trainable parameters as a checkpoint sees it (state.py)."""
+
+    names: list[str]  # parameter names (module.named_parameters()) in flat order
+    layout: FlatLayout  # shapes and offsets in the flat buffer, padded size
+    local: torch.Tensor  # this rank's values: the whole buffer, or its slice [r*S, (r+1)*S)
+    pieces: list[Piece]  # what the optimizer steps of it, with their ranges in `local`
+    sharded: bool  # True: rank r holds slice r; False: every rank holds all of it
+
+
 def cut(
     names: Sequence[str], flags: Sequence[int], layout: FlatLayout, shard: torch.Tensor, rank: int
 ) -> list[Piece]:

@@ -11,27 +11,12 @@ counters by parameter name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from trainer.flat import FlatLayout
-from trainer.parallel.pieces import Piece
-
-if TYPE_CHECKING:
-    from trainer.parallel.engine import Engine
-
-
-@dataclass
-class ShardGroup:
-    """One flat buffer of trainable parameters as a checkpoint sees it."""
-
-    names: list[str]  # parameter names (module.named_parameters()) in flat order
-    layout: FlatLayout  # shapes and offsets in the flat buffer, padded size
-    local: torch.Tensor  # this rank's values: the whole buffer, or its slice [r*S, (r+1)*S)
-    pieces: list[Piece]  # what the optimizer steps of it, with their ranges in `local`
-    sharded: bool  # True: rank r holds slice r; False: every rank holds all of it
+from trainer.parallel.engine import Engine
+from trainer.parallel.pieces import ShardGroup
 
 
 def _optimizer_entry(state: dict[Any, dict[str, Any]], g: ShardGroup) -> dict[str, dict]:
@@ -121,7 +106,7 @@ def sharded_state(engine: Engine) -> dict[str, Any]:
             for g in opt.param_groups
         ],
         # fp32 like the masters, so a checkpoint does not depend on `precision`
-        "replicated": {k: engine._whole(module[k]) for k in whole},
+        "replicated": {k: engine.whole_copy(module[k]) for k in whole},
     }
 
 
@@ -168,7 +153,5 @@ def load_sharded_state(engine: Engine, state: dict[str, Any]) -> None:
     opt.load_state_dict(target)
     module = engine.module.state_dict(keep_vars=True)
     for k, v in state["replicated"].items():
-        module[k].copy_(v)
-        if id(module[k]) in engine._frozen:
-            engine._frozen[id(module[k])].copy_(v)
-    engine._params_from_masters()
+        engine.load_whole(module[k], v)
+    engine.params_from_masters()

@@ -56,3 +56,31 @@ class UsedFlags:
 
     def clear(self) -> None:
         self.used.clear()
+
+
+class Arrivals:
+    """Parameters whose gradient arrived in the backward under way (by id).
+
+    Autograd accumulates a leaf's gradient once per backward; a second arrival means a
+    backward nested in this one (reentrant checkpointing recomputing a forward inside
+    backward), which would end the step's communication early or leave the gradient
+    behind. Every mode refuses it here, with the parameter's name."""
+
+    def __init__(self, names: dict[int, str], mode: str):
+        self._names, self._mode = names, mode
+        self._ids: set[int] = set()
+
+    def add(self, p: torch.Tensor) -> None:
+        if id(p) in self._ids:
+            raise RuntimeError(
+                f"parameter {self._names[id(p)]!r} received its gradient twice in one "
+                f"backward (reentrant checkpointing?); {self._mode} reduces each gradient "
+                "once per backward and needs use_reentrant=False"
+            )
+        self._ids.add(id(p))
+
+    def __contains__(self, p: torch.Tensor) -> bool:
+        return id(p) in self._ids
+
+    def clear(self) -> None:
+        self._ids.clear()
