@@ -9,6 +9,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from trainer.errors import ConfigError
 from trainer.models import loss_fn
+from trainer.parallel import Engine
 
 
 def _targets(dataset: Dataset) -> torch.Tensor | None:
@@ -20,12 +21,19 @@ def _targets(dataset: Dataset) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def check_fit(model: nn.Module, dataset: Dataset, model_name: str, data_name: str) -> None:
+def check_fit(
+    model: nn.Module | Engine,
+    dataset: Dataset,
+    model_name: str,
+    data_name: str,
+    device: torch.device | None = None,
+) -> None:
     """One forward and loss of sample 0 in eval mode (no statistics updated), and every
-    target within the model's outputs; ConfigError otherwise."""
+    target within the model's outputs; ConfigError otherwise. `model` may be an engine
+    (a model built on meta has no values before it): then every rank must call it."""
     what = f"model={model_name} does not fit data={data_name}"
     x, y = dataset[0]
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.materialize import building_on_meta
 
 GPT_TYPE = "shardtrain_gpt"
 WEIGHTS = (
@@ -36,6 +37,7 @@ class CausalLM(nn.Module):
     def __init__(self, hf: nn.Module) -> None:
         super().__init__()
         self.hf = hf
+        self.weights_dir: Path | None = None  # where pretrained weights are to be read from
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
@@ -82,7 +84,9 @@ def hf_causal_lm(
         except ValueError as e:
             raise ConfigError(f"model.config.model_type={model_type}: {e}") from None
         weights = False
-    if weights:
+    # On meta (materialize.empty_weights) the weights are read later, each rank only the
+    # slices it keeps (a Pretrained source): here the model is built empty.
+    if weights and not building_on_meta():
         model = AutoModelForCausalLM.from_pretrained(
             str(Path(path).expanduser()),
             config=hf_config,
@@ -97,7 +101,9 @@ def hf_causal_lm(
             raise ConfigError(f"model=hf cannot build a causal LM: {line}") from None
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return CausalLM(model)
+    lm = CausalLM(model)
+    lm.weights_dir = Path(path).expanduser() if weights else None
+    return lm
 
 
 def _local_config(path: str) -> tuple[Any, bool]:

@@ -24,6 +24,7 @@ from trainer.errors import TrainingError
 from trainer.fit import check_fit
 from trainer.guard import Guard
 from trainer.lm import generate, positions, save_model_files
+from trainer.materialize import SeededInit, empty_weights
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.models import accuracy, loss_fn
@@ -33,6 +34,7 @@ from trainer.parallel.engine import Engine
 from trainer.profiling import maybe_profile
 from trainer.text import codec_from_meta
 from trainer.tokens import read_meta
+from trainer.weights import Pretrained
 
 
 def shared_run_dir(env: tdist.DistEnv) -> Path:
@@ -129,20 +131,22 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         {"hydra.run.dir": run_dir, "ckpt.dir": checkpoint.checkpoint_dir(cfg, run_dir)}
     )
     names = _choice("model", cfg.model), _choice("data", cfg.data.dataset)
-    model, dataset, held_out = model_and_data(cfg, names)  # seeded with cfg.seed
-    model = model.to(env.device)
+    # [Note: building on meta] in parallel/__init__.py: parameters without memory, the
+    # engine allocates what its mode keeps and gives it values from `source`
+    with empty_weights() if cfg.train.meta_build else nullcontext():
+        model, dataset, held_out = model_and_data(cfg, names)  # seeded with cfg.seed
+    source = None
+    if not cfg.train.meta_build:
+        model = model.to(env.device)
+    else:  # buffers go to the device with the engine
+        weights = getattr(model, "weights_dir", None)  # model=hf model.path=DIR with weights
+        init = SeededInit(cfg.seed)
+        source = init if weights is None else Pretrained(weights, init=init)
     psi = count_params(model)  # before fsdp takes the parameters apart
-    check_fit(model, dataset, *names)
+    if not cfg.train.meta_build:  # a meta model runs its first forward in the engine below
+        check_fit(model, dataset, *names)
     if env.is_rank0:  # what scripts/sample.py and export_hf.py rebuild the model from
         save_model_files(model, run_dir / "model", data_dir(dataset))
-    # After check_fit's forward of one sample: compiled for the training batch's shape
-    if cfg.train.compile:  # each layer's forward, the same layers in every mode
-        compile_layers(
-            model,
-            cfg.train.compile_backend,
-            cfg.mode.get("unit_classes"),
-            cfg.mode.get("repeated_children", True),
-        )
     loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
     eval_loader = None
     if held_out is not None:
@@ -157,8 +161,20 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         precision=cfg.precision,
         loss_scale=OmegaConf.to_container(cfg.loss_scale),
         param_options=param_options(cfg.optim),
+        source=source,
+        device=env.device,
         **engine_options(cfg),
     )
+    if cfg.train.meta_build:  # every rank alike, so fsdp's collectives pair up
+        check_fit(engine, dataset, *names, device=env.device)
+    # After check_fit's forward of one sample: compiled for the training batch's shape
+    if cfg.train.compile:  # each layer's forward, the same layers in every mode
+        compile_layers(
+            model,
+            cfg.train.compile_backend,
+            cfg.mode.get("unit_classes"),
+            cfg.mode.get("repeated_children", True),
+        )
     scheduler = lr_scheduler(
         engine.optimizer, cfg.optim, cfg.train.steps, on_device=engine.skips_on_device
     )

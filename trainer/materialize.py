@@ -60,11 +60,23 @@ def empty_weights() -> Iterator[None]:
         if param is not None and param.device != META:
             module._parameters[name] = _like(param, param.detach().to(META))
 
+    global _building_on_meta
     nn.Module.register_parameter = register_on_meta
+    outer, _building_on_meta = _building_on_meta, True
     try:
         yield
     finally:
         nn.Module.register_parameter = register
+        _building_on_meta = outer
+
+
+_building_on_meta = False
+
+
+def building_on_meta() -> bool:
+    """Inside `empty_weights()`: builders that would load weights whole (from_pretrained)
+    build empty instead and leave the values to a Pretrained source."""
+    return _building_on_meta
 
 
 def has_meta(root: nn.Module) -> bool:
@@ -139,7 +151,7 @@ def materialize(root: nn.Module, source: Source, device: torch.device | str) -> 
     ]
     source.fill(root, list(root.named_modules()), requests, device)
     for (_, p), s in zip(params, storage, strict=True):
-        _swap(p, s)
+        swap_into(p, s)
     return root.to(device)  # buffers that were real elsewhere
 
 
@@ -185,8 +197,8 @@ class SeededInit(Source):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        _check_requests(requests)
-        owners = _owners(root)
+        check_requests(requests)
+        owners = param_owners(root)
         by_module: dict[str, list[Request]] = {}
         for r in requests:
             by_module.setdefault(owners[id(r.param)][0], []).append(r)
@@ -212,7 +224,7 @@ class SeededInit(Source):
                 if real:  # its init would overwrite them
                     raise ValueError(
                         f"fill expects module {name or '(root)'}'s parameters on the meta "
-                        f"device; {_join(name, real[0])} is not"
+                        f"device; {qualified(name, real[0])} is not"
                     )
                 # transformers' init functions skip a tensor flagged as initialised (what
                 # from_pretrained loaded): the flag is put back with the meta tensor.
@@ -221,7 +233,7 @@ class SeededInit(Source):
                 for r in by_module.get(name, []):
                     r.out.copy_(_values(r.param).view(-1)[r.start : r.stop])
                 for (_, p), flag in zip(own, flags, strict=True):
-                    _swap(p, torch.empty(p.shape, dtype=p.dtype, device=META))
+                    swap_into(p, torch.empty(p.shape, dtype=p.dtype, device=META))
                     if flag is not None:
                         p._is_hf_initialized = flag
 
@@ -249,7 +261,7 @@ class SeededInit(Source):
                 "ordinarily, or give it values with Pretrained(...)"
             )
         for _, p in own:
-            _swap(p, _nan(p.shape, p.dtype, device))
+            swap_into(p, _nan(p.shape, p.dtype, device))
         placed = {}
         for b, t in meta_buffers:
             module._buffers[b] = placed[b] = _nan(t.shape, t.dtype, device)
@@ -270,7 +282,7 @@ class SeededInit(Source):
             if _has_nan(_values(p)):
                 raise ConfigError(
                     f"the init of module {name or '(root)'} ({type(module).__name__}) left "
-                    f"parameter {_join(name, attr)} unset: give the model an "
+                    f"parameter {qualified(name, attr)} unset: give the model an "
                     "init_module(module) that covers it"
                 )
         for b, t in placed.items():
@@ -280,7 +292,7 @@ class SeededInit(Source):
             )
             if not restored:
                 raise ConfigError(
-                    f"buffer {_join(name, b)} of module {name or '(root)'} "
+                    f"buffer {qualified(name, b)} of module {name or '(root)'} "
                     f"({type(module).__name__}) is on the meta device and its init does not "
                     "restore it: build the model under trainer.materialize.empty_weights(), "
                     "which keeps buffers real"
@@ -314,7 +326,7 @@ def _pretrained_class() -> type | None:
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     for name, child in module.named_children():
-        yield from _post_order(child, _join(prefix, name))
+        yield from _post_order(child, qualified(prefix, name))
     yield prefix, module
 
 
@@ -347,7 +359,7 @@ def _seed(device: torch.device, seed: int) -> None:
 # Helpers shared with trainer/weights.py
 
 
-def _owners(root: nn.Module) -> dict[int, tuple[str, str]]:
+def param_owners(root: nn.Module) -> dict[int, tuple[str, str]]:
     """id(parameter) -> (qualified name of the module owning it, attribute): the first
     module that registers it, as root.named_parameters() names it."""
     owners: dict[int, tuple[str, str]] = {}
@@ -358,7 +370,7 @@ def _owners(root: nn.Module) -> dict[int, tuple[str, str]]:
     return owners
 
 
-def _check_requests(requests: Sequence[Request]) -> None:
+def check_requests(requests: Sequence[Request]) -> None:
     for r in requests:
         if not r.param.is_meta:
             raise ValueError(f"request for {r.name}: the parameter is not on the meta device")
@@ -382,7 +394,7 @@ def _like(param: nn.Parameter, data: Tensor) -> nn.Parameter:
     return new
 
 
-def _swap(param: nn.Parameter, data: Tensor) -> None:
+def swap_into(param: nn.Parameter, data: Tensor) -> None:
     """`param` holds `data` from now on; the same object, so ties and references hold."""
     torch.utils.swap_tensors(param, _like(param, data.detach()))
 
@@ -402,5 +414,5 @@ def _has_nan(t: Tensor) -> bool:
     return (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
 
 
-def _join(prefix: str, name: str) -> str:
+def qualified(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name

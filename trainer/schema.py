@@ -35,6 +35,7 @@ class Train:
     save_final: bool = True
     compile: bool = False
     compile_backend: str = "inductor"
+    meta_build: bool = True
 
 
 @dataclass

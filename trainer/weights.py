@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer.errors import ConfigError
-from trainer.materialize import Request, Source, _check_requests, _join, _owners
+from trainer.materialize import Request, Source, check_requests, param_owners, qualified
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -171,7 +171,7 @@ class Pretrained(Source):
         device: torch.device | str,
     ) -> None:
         device = torch.device(device)
-        _check_requests(requests)
+        check_requests(requests)
         plan = self.check(root)
         later: list[Request] = []
         for r in requests:
@@ -185,7 +185,7 @@ class Pretrained(Source):
             for b, t in list(module._buffers.items()):
                 if t is None:
                     continue
-                name = _join(mod_name, b)
+                name = qualified(mod_name, b)
                 if b in module._non_persistent_buffers_set:
                     if t.is_meta:
                         raise ConfigError(
@@ -243,18 +243,18 @@ def _plan(
         return name[len(prefix) :] if name.startswith(prefix) else None
 
     # Each parameter once, with every name it is reachable by; then persistent buffers.
-    owners = _owners(root)
+    owners = param_owners(root)
     aliases: dict[int, list[str]] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     entries: list[tuple[str, tuple[int, ...], list[str]]] = []
     for name, p in root.named_parameters():
-        assert _join(*owners[id(p)]) == name
+        assert qualified(*owners[id(p)]) == name
         entries.append((name, tuple(p.shape), aliases[id(p)]))
     for mod_name, module in root.named_modules():
         for b, t in module._buffers.items():
             if t is not None and b not in module._non_persistent_buffers_set:
-                entries.append((_join(mod_name, b), tuple(t.shape), [_join(mod_name, b)]))
+                entries.append((qualified(mod_name, b), tuple(t.shape), [qualified(mod_name, b)]))
 
     in_files = set(files.keys())
     plan: dict[str, str | None] = {}

@@ -9,6 +9,7 @@ from torch import nn
 
 from trainer import comm
 from trainer.errors import ConfigError
+from trainer.materialize import Request, Source, has_meta, materialize, swap_into
 from trainer.parallel.ddp import DDPEngine
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
 from trainer.parallel.fsdp import FSDPEngine
@@ -26,6 +27,8 @@ def build_engine(
     reduce_dtype: str = "fp32",
     loss_scale: dict[str, Any] | None = None,
     param_options: ParamGroupFn | None = None,
+    source: Source | None = None,
+    device: torch.device | str | None = None,
     **options: Any,
 ) -> Engine:
     """Wrap `model` (fp32) for `mode`; `optimizer` is called with the parameters it should
@@ -36,7 +39,12 @@ def build_engine(
     skips an overflowed step on the device ([Note: dynamic loss scaling]).
     `param_options(name, param)` gives a parameter's optimizer options (e.g.
     {"weight_decay": 0.0}); the optimizer gets one param group per distinct options.
-    `options` are the mode's own (bucket_mb, reshard_after_forward, ...)."""
+    `options` are the mode's own (bucket_mb, reshard_after_forward, ...).
+
+    A model whose parameters are on the meta device (built under
+    `materialize.empty_weights()`) takes its values from `source`: `SeededInit(seed)`
+    for a fresh init, `Pretrained(dir)` for safetensors weights ([Note: building on
+    meta]); `device` is where its state goes (default: its buffers' device, else CPU)."""
     mp = Precision.of(precision, reduce_dtype)
     fp16 = mp.param_dtype == torch.float16
     scaler = LossScaler(enabled=fp16, **(loss_scale or {}))
@@ -55,12 +63,62 @@ def build_engine(
             f"precision={precision} keeps fp32 masters of an fp32 model; this model's "
             f"parameters are {sorted(map(str, floating))}"
         )
+    if has_meta(model):
+        device = _state_device(model, device)
+        if source is None:
+            raise ConfigError(
+                "the model's parameters are on the meta device: give build_engine a "
+                "source=SeededInit(seed) (a fresh init) or source=Pretrained(dir) (weights)"
+            )
+        if engine_cls.builds_from_meta:
+            _materialize_whole_parts(model, source, device)
+            options.update(source=source, device=device)
+        else:  # ddp and zero keep the full parameters anyway
+            materialize(model, source, device)
+    elif source is not None:
+        raise ConfigError(
+            "source= gives values to a model built on the meta device; this model's "
+            "parameters already have values (build it under materialize.empty_weights())"
+        )
     if fp16:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        optimizer = fused_for_scaling(optimizer, device)
+        device = next((p.device for p in model.parameters() if not p.is_meta), device)
+        optimizer = fused_for_scaling(optimizer, device or torch.device("cpu"))
     return engine_cls(
         model, optimizer, precision=mp, scaler=scaler, param_options=param_options, **options
     )
+
+
+# [Note: building on meta]
+# A model built under `empty_weights()` has its parameters on the meta device: shapes, no
+# memory. Each mode allocates what it keeps and no more: ddp and zero the full
+# parameters (`materialize`), fsdp only this rank's slice of each unit, unit by unit
+# (fsdp.py), the values written straight into it by the source. What every rank keeps
+# whole is given its values first: buffers left on meta (a model built entirely under
+# `torch.device("meta")`) and frozen parameters. SeededInit seeds each module from the
+# seed and its name ([Note: initialising by module] in materialize.py), so the initial
+# model is bitwise the same in every mode and at every world size.
+def _materialize_whole_parts(model: nn.Module, source: Source, device: torch.device) -> None:
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_meta]
+    values = [torch.empty(p.shape, dtype=p.dtype, device=device) for _, p in frozen]
+    requests = [
+        Request(n, p, 0, p.numel(), v.view(-1)) for (n, p), v in zip(frozen, values, strict=True)
+    ]
+    with_meta_buffers = [
+        (n, m) for n, m in model.named_modules() if any(b.is_meta for b in m.buffers(False))
+    ]
+    if requests or with_meta_buffers:
+        source.fill(model, with_meta_buffers, requests, device)
+    for (_, p), v in zip(frozen, values, strict=True):
+        swap_into(p, v)
+    for b in model.buffers():  # built with real buffers elsewhere (the CPU)
+        if b.device != device:
+            b.data = b.data.to(device)
+
+
+def _state_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return next((b.device for b in model.buffers() if not b.is_meta), torch.device("cpu"))
 
 
 __all__ = ["ENGINES", "Engine", "build_engine"]
