@@ -291,14 +291,17 @@ class Engine(ABC):
         """
         params = list(self.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        opt = self.optimizer
         return {
             "params": params,
             "master": self.frozen_masters(),
             "grads": grads,
-            "optimizer": optimizer_state_tensors(opt),
+            "optimizer": self.optimizer_state(),
             "comm": [],
         }
+
+    def optimizer_state(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors (moments, momentum buffers) on this rank."""
+        return optimizer_state_tensors(self.optimizer)
 
     def working_set_bytes(self) -> int:
         """Bytes held only while a step runs, beyond the model state (fsdp's gathered

@@ -32,17 +32,10 @@ from trainer import comm, comm_groups
 from trainer.comm_groups import Mesh
 from trainer.errors import ConfigError
 from trainer.materialize import Source, swap_into
-from trainer.parallel.engine import (
-    Engine,
-    OptimizerFactory,
-    ParamGroupFn,
-    optimizer_state_tensors,
-    param_groups,
-    split_by_options,
-)
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
 from trainer.parallel.pieces import ShardGroup
 from trainer.parallel.schedule import Schedule
-from trainer.parallel.sharded import Reducer, ShardedBuffer
+from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import Arrivals, UsedFlags
 from trainer.precision import GradAccumulator, LossScaler, Precision
@@ -68,17 +61,9 @@ class _UnitBuffer(ShardedBuffer):
     in new Parameter objects instead would break the identity that optimizers, hooks and
     users' references rely on."""
 
-    def __init__(
-        self,
-        tag: str,
-        named: Sequence[tuple[str, nn.Parameter]],
-        flags: Sequence[int],
-        options: dict[str, Any],
-        mesh: Mesh,
-        precision: Precision,
-        device: torch.device,
-    ):
-        super().__init__(tag, named, flags, options, mesh, precision, False, device)
+    def __init__(self, *args: Any, device: torch.device) -> None:
+        """ShardedBuffer's arguments, up to `keep_full`: a unit frees its full buffer."""
+        super().__init__(*args, keep_full=False, device=device)
         self.nbytes = self.full.untyped_storage().nbytes()
         self.views = self.layout.views(self.full)
         self.empty = self.full.new_empty(0)
@@ -143,7 +128,7 @@ class _Unit:
                 opts,
                 mesh,
                 mp,
-                device,
+                device=device,
             )
             for i, (opts, pairs) in enumerate(groups)
         ]
@@ -242,9 +227,7 @@ class FSDPEngine(Engine):
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             for p in u.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p))
-        self.optimizer = optimizer(
-            param_groups(t for b in self._buffers() for t in b.optimizer_tensors())
-        )
+        self.optimizer = build_optimizer(optimizer, self._buffers())
 
     # -- unshard / reshard ---------------------------------------------------------------
     def _unshard(self, u: _Unit) -> None:
@@ -543,7 +526,7 @@ class FSDPEngine(Engine):
             "grads": [b.grad_shard for b in bufs if b.grad_shard is not None]
             + module_grads
             + self._sums.tensors(),
-            "optimizer": optimizer_state_tensors(self.optimizer),
+            "optimizer": self.optimizer_state(),
             "comm": [b.grad_input.rows for b in bufs if b.grad_input is not None]
             + [b.reduced for b in bufs if b.reduced is not None],
         }

@@ -25,12 +25,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from trainer import comm
 from trainer.comm_groups import Mesh
 from trainer.flat import FlatLayout, ScatterInput
 from trainer.materialize import Request
 from trainer.parallel import pieces
+from trainer.parallel.engine import OptimizerFactory, param_groups
 from trainer.parallel.used import UsedFlags
 from trainer.precision import Precision
 
@@ -131,6 +133,11 @@ class ShardedBuffer:
         """The pieces' `.grad`: views of `grad_shard`, None where no rank used the
         parameter since the last step ([Note: used flags] in used.py)."""
         pieces.hand_out(self.pieces, self.grad_shard, unused)
+
+
+def build_optimizer(factory: OptimizerFactory, buffers: Sequence[ShardedBuffer]) -> Optimizer:
+    """The optimizer over every piece of `buffers`, one param group per distinct options."""
+    return factory(param_groups(t for b in buffers for t in b.optimizer_tensors()))
 
 
 class Reducer:

@@ -28,16 +28,9 @@ from torch import nn
 from trainer import comm, comm_groups
 from trainer.flat import bucketize
 from trainer.parallel.buckets import BucketQueue
-from trainer.parallel.engine import (
-    Engine,
-    OptimizerFactory,
-    ParamGroupFn,
-    optimizer_state_tensors,
-    param_groups,
-    split_by_options,
-)
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
 from trainer.parallel.pieces import ShardGroup
-from trainer.parallel.sharded import Reducer, ShardedBuffer
+from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.used import UsedFlags
 from trainer.precision import GradAccumulator, LossScaler, Precision
 
@@ -105,9 +98,7 @@ class ZeroEngine(Engine):
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook(b))
-        self.optimizer = optimizer(
-            param_groups(t for b in self.buckets for t in b.optimizer_tensors())
-        )
+        self.optimizer = build_optimizer(optimizer, self.buckets)
 
     # -- backward: gradients into buckets, buckets ReduceScattered into slices -------------
     def _hook(self, bucket: ShardedBuffer):
@@ -212,7 +203,7 @@ class ZeroEngine(Engine):
             # fp32 masters when mixed; otherwise views of `full`, counted there already
             "master": [b.master for b in self.buckets] + self.frozen_masters(),
             "grads": grad_shards + inputs + local_grads + self._sums.tensors(),
-            "optimizer": optimizer_state_tensors(self.optimizer),
+            "optimizer": self.optimizer_state(),
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
         }
 
