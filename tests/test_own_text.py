@@ -178,6 +178,19 @@ def test_hf_run_exports_a_directory_from_pretrained_loads(tmp_path, text_dir):
     again = hf_causal_lm(str(out)).state_dict()  # a valid model.path for the next run
     assert all(torch.equal(again[k], final[k]) for k in final)
 
+    # Fine-tuning the exported directory: read slice by slice on meta (the default) or
+    # loaded whole on every rank, the same weights train to the same model, bitwise.
+    tuned = {}
+    for meta in ("true", "false"):
+        args = ["model=hf", f"model.path={out}", "data=token_file", f"data.dir={text_dir}"]
+        again_run = _run(
+            tmp_path, f"tuned_{meta}", *args, "mode=fsdp", "train.steps=2",
+            "train.batch_size=8", f"train.meta_build={meta}", nproc=2,
+        )  # fmt: skip
+        tuned[meta] = torch.load(again_run / "final_model.pt", weights_only=True)
+    assert all(torch.equal(tuned["true"][k], tuned["false"][k]) for k in final)
+    assert any(not torch.equal(tuned["true"][k], final[k]) for k in final)  # it trained
+
 
 @pytest.mark.parametrize(
     "args, needle",
