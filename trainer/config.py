@@ -66,7 +66,7 @@ def validate(cfg: DictConfig, world_size: int) -> None:
             f"{world_size}{accum}; use a multiple of {world_size * k}"
         )
     if cfg.mode.get("shard_group_size") is not None:
-        from trainer.comm_groups import check_shard_group_size
+        from trainer.comm.groups import check_shard_group_size
 
         check_shard_group_size(cfg.mode.shard_group_size, world_size)
     _whole("train.eval_every", cfg.train.get("eval_every", 0), minimum=0)

@@ -140,7 +140,7 @@ class IntervalMetrics:
         self._sums["comm_busy_s"] = comm.stats.busy_s
         self._sums["comm_exposed_s"] = comm.stats.exposed_s
         bytes_per_op = dict(comm.stats.bytes_sent)
-        across = comm.stats.bytes_across  # [Note: hybrid sharding] in comm_groups.py
+        across = comm.stats.bytes_across  # [Note: hybrid sharding] in comm/groups.py
         latest = latest or {}
         # Rank 0's own values ride along: the other ranks add zeros to them.
         own = [v if comm.rank() == 0 else 0.0 for v in latest.values()]

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import comm, comm_groups, host
+from trainer import comm, host
+from trainer.comm import groups as comm_groups
 from trainer.errors import ConfigError
 from trainer.parallel import state
 from trainer.parallel.state import ShardGroup

@@ -85,7 +85,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from trainer import comm, comm_groups
+from trainer import comm
+from trainer.comm import groups as comm_groups
 from trainer.errors import ConfigError
 from trainer.flat import FlatLayout, ScatterInput
 from trainer.parallel import pieces

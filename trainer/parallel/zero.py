@@ -53,7 +53,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from trainer import comm, comm_groups
+from trainer import comm
+from trainer.comm import groups as comm_groups
 from trainer.flat import FlatLayout, ScatterInput, bucketize
 from trainer.parallel import pieces
 from trainer.parallel.buckets import BucketQueue
