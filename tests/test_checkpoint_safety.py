@@ -129,7 +129,7 @@ def test_full_disk_writing_a_file(tmp_path, monkeypatch):
 
 def test_full_disk_saving_the_final_model(tmp_path, monkeypatch):
     from trainer.errors import TrainingError
-    from trainer.loop import save_final_model
+    from trainer.run.loop import save_final_model
 
     class Engine:
         def full_state_dict(self):

@@ -126,7 +126,7 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
     from test_cli import ROOT
 
     from trainer import host
-    from trainer import loop as trainer_loop
+    from trainer.run import loop as trainer_loop
 
     overrides = [
         "mode=zero",

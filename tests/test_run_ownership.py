@@ -20,7 +20,7 @@ from test_cli import ROOT, TORCHRUN, run_cli
 TINY = ["model.hidden=16", "model.depth=1", "train.batch_size=16", "train.log_every=1"]
 HOLD = (
     "import sys, time; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
-    "from trainer.rundir import _lock; _lock(Path(sys.argv[2]), 'hydra.run.dir'); "
+    "from trainer.run.rundir import _lock; _lock(Path(sys.argv[2]), 'hydra.run.dir'); "
     "print('held', flush=True); "
     "time.sleep(600)"
 )
@@ -334,7 +334,7 @@ def test_sigterm_during_set_up_stops_before_the_first_step(tmp_path):
 LAUNCHER = """
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
-from trainer import preempt
+from trainer.run import preempt
 preempt.install()
 os.kill(os.getpid(), signal.SIGTERM)  # before the workers would start: kept
 try:
@@ -354,7 +354,7 @@ print("flagged:", preempt.requested())
 
 
 def test_a_launcher_signalled_before_its_workers_start_stops_at_once():
-    # What launcher.nproc's parent does around starting its workers (trainer/cli.py).
+    # What launcher.nproc's parent does around starting its workers (trainer/run/cli.py).
     proc = subprocess.run(
         [sys.executable, "-c", LAUNCHER, str(ROOT)], capture_output=True, text=True, timeout=60
     )

@@ -54,7 +54,7 @@ def _engine(mode: str, model: nn.Module, optim: str = "adamw", **extra):
 
 def _accumulate(env, mode: str) -> dict:
     """The training loop's forward_backward: ACCUM micro-batches per rank and step."""
-    from trainer.loop import forward_backward
+    from trainer.run.loop import forward_backward
 
     # SGD: Adam divides by the gradients' magnitude, so it turns the rounding differences
     # of near-zero gradients into full-size steps; SGD keeps parity meaningful.

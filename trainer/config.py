@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import schema  # noqa: F401  (registers the types conf/config.yaml names)
 from trainer.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # what train.py composes
 
 
 def _show(value: Any) -> str:

@@ -6,7 +6,7 @@ run (resume=null) refuses a directory that already holds checkpoints, instead of
 its own steps between another run's; resume=auto takes only checkpoints of the lineage
 named in `ckpt.dir/lineage`; resume=PATH continues PATH's lineage and refuses a
 `ckpt.dir` that holds another's. Two processes never share a directory at the same time:
-trainer/rundir.py locks it for the run.
+trainer/run/rundir.py locks it for the run.
 `ckpt.dir` must be a filesystem that every rank sees (one machine, or a shared mount).
 """
 

@@ -14,15 +14,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from trainer import checkpoint, comm, preempt, rundir
+from trainer import checkpoint, comm
 from trainer import dist as tdist
 from trainer.build import data_dir, model_and_data
 from trainer.compile import compile_layers
 from trainer.config import engine_options, validate
 from trainer.data import make_eval_loader, make_loader
 from trainer.errors import TrainingError
-from trainer.fit import check_fit
-from trainer.guard import Guard
 from trainer.lm import generate, positions, save_model_files
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
@@ -30,7 +28,10 @@ from trainer.models import accuracy, loss_fn
 from trainer.optim import lr_scheduler, optimizer_factory, param_options
 from trainer.parallel import build_engine
 from trainer.parallel.engine import Engine
-from trainer.profiling import maybe_profile
+from trainer.run import preempt, rundir
+from trainer.run.fit import check_fit
+from trainer.run.guard import Guard
+from trainer.run.profiling import maybe_profile
 from trainer.text import codec_from_meta
 from trainer.tokens import read_meta
 
