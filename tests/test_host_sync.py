@@ -3,7 +3,7 @@ ways: the reads that go through trainer.host, and the aten ops that can only run
 reading a value back (`_local_scalar_dense` behind `.item()` and `bool()`, `nonzero`).
 On a GPU each would stall the CPU until the device catches up. fp16 decides on the
 device whether to skip a step; only an optimizer that cannot skip by itself makes the
-host read the flag ([Note: dynamic loss scaling] in trainer/precision.py)."""
+host read the flag ([Note: dynamic loss scaling] in trainer/scaling.py)."""
 
 import functools
 

@@ -100,7 +100,8 @@ def _validate_optim(optim: DictConfig) -> None:
 
 
 def _validate_precision(cfg: DictConfig) -> None:
-    from trainer.precision import LossScaler, Precision
+    from trainer.precision import Precision
+    from trainer.scaling import LossScaler
 
     Precision.of(cfg.get("precision", "fp32"), cfg.mode.get("reduce_dtype", "fp32"))
     options = OmegaConf.to_container(cfg.get("loss_scale") or {})

@@ -34,7 +34,7 @@ SCHEDULES = ("constant", "cosine")
 def optimizer_factory(optim: DictConfig) -> OptimizerFactory:
     """The optimizer partial from `optim`, the trainer's own keys removed, and the
     arguments left null (trainer/schema.py's `foreach`, `fused`): torch's own default
-    then, and fp16 free to build the optimizer fused (precision.fused_for_scaling)."""
+    then, and fp16 free to build the optimizer fused (scaling.fused_for_scaling)."""
     kwargs = OmegaConf.to_container(optim, resolve=True)
     for key in TRAINER_KEYS:
         kwargs.pop(key, None)
@@ -104,7 +104,7 @@ class TakenStepsLR(torch.optim.lr_scheduler.LambdaLR):
     [Note: the schedule counts taken steps]
     A step skipped for fp16 overflow must not advance the schedule, or the warm-up and
     the decay would run ahead of the updates. When the host knows (fp32, bf16, and the
-    fp16 fallback of [Note: dynamic loss scaling] in precision.py) `taken` is a bool and
+    fp16 fallback of [Note: dynamic loss scaling] in scaling.py) `taken` is a bool and
     this is plain LambdaLR, stepped on taken steps only, with host floats as lrs. When
     the device decides (`on_device`), `taken` is a 0-d bool tensor and nothing is read:
     the steps taken since the host last counted them are kept on the device (`_pending`),

@@ -35,13 +35,8 @@ from trainer.comm import groups as comm_groups
 from trainer.errors import ConfigError
 from trainer.parallel import state
 from trainer.parallel.state import ShardGroup
-from trainer.precision import (
-    LossScaler,
-    Precision,
-    can_skip_on_device,
-    cast_module,
-    skipping_if,
-)
+from trainer.precision import Precision, cast_module
+from trainer.scaling import LossScaler, can_skip_on_device, skipping_if
 
 # Called with the tensors to step: a list of tensors, or of param-group dicts.
 OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]

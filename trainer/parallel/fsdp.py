@@ -102,7 +102,8 @@ from trainer.parallel.engine import (
 from trainer.parallel.schedule import Schedule
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import UsedFlags
-from trainer.precision import GradAccumulator, LossScaler, Precision
+from trainer.precision import GradAccumulator, Precision
+from trainer.scaling import LossScaler
 
 
 class _Flat:

@@ -68,7 +68,8 @@ from trainer.parallel.engine import (
     split_by_options,
 )
 from trainer.parallel.used import UsedFlags
-from trainer.precision import GradAccumulator, LossScaler, Precision
+from trainer.precision import GradAccumulator, Precision
+from trainer.scaling import LossScaler
 
 _MAX_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
 
