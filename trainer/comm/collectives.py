@@ -294,7 +294,7 @@ def launch(op: str, tag: str, sent: float, account: bool = True, group=None) -> 
     if account and _accounting:
         stats.bytes_sent[op] += sent
         stats.calls[op] += 1
-        if groups.crosses_groups(group):  # [Note: hybrid sharding]
+        if groups.crosses_groups(group):  # [Note: hybrid sharding] in groups.py
             stats.bytes_across += sent
     record(f"launch:{op}", tag)
     if _members is not None:
