@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench import Built, _without_nproc, launch, report, timed_steps  # noqa: E402
+from bench import Built, launch, report, timed_steps, without_nproc  # noqa: E402
 
 from trainer import dist as tdist  # noqa: E402
 from trainer.compile import compile_layers  # noqa: E402
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         if result and args.json_out:
             args.json_out.write_text(json.dumps(result) + "\n")
         return
-    own = _without_nproc(argv)  # each launch's world size is torchrun's
+    own = without_nproc(argv)  # each launch's world size is torchrun's
     launches = []
     with tempfile.TemporaryDirectory() as tmp:
         for p in args.nproc:

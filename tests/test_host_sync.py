@@ -22,7 +22,7 @@ MODES = {
 SYNCING_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero"}
 
 
-class _CountSyncingOps(TorchDispatchMode):
+class CountSyncingOps(TorchDispatchMode):
     """Counts the syncing ops, except reads of the optimizer's step counters: torch keeps
     those on the CPU even when training on a GPU (non-capturable optimizers), so AdamW's
     `step.item()` for its bias correction is no device read."""
@@ -65,7 +65,7 @@ def _steady_reads(env, cases) -> dict:
 
         for x, y in data[:2]:  # warm-up: optimizer state, first-step bookkeeping
             step(x, y)
-        with host.counting() as reads, _CountSyncingOps(engine.optimizer) as ops:
+        with host.counting() as reads, CountSyncingOps(engine.optimizer) as ops:
             for x, y in data[2:]:
                 step(x, y)
         out[(name, kind, precision, clip, *optim)] = (reads.count, reads.where, ops.ops)
@@ -152,7 +152,7 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
         # No Hydra run here: the run directory is the test's.
         trainer_loop.shared_run_dir = lambda env, d=Path(run_dir) / name: d
         with host.counting() as reads:
-            final = trainer_loop._train(cfg, env)
+            final = trainer_loop.train_in_group(cfg, env)
         out[name] = (reads.where, final)
     return out
 

@@ -317,6 +317,12 @@ class MemoryMonitor:
             elif self.device.type == "cpu" and heap.available():
                 self._step_peak = heap.StepPeak(engine.module, optimizer, self._held_bytes)
 
+    @property
+    def step_peak(self) -> heap.StepPeak | CudaStepPeak | None:
+        """What measures a step's peak here: CudaStepPeak on CUDA, heap.StepPeak on CPU
+        (where the heap can be watched), None otherwise."""
+        return self._step_peak
+
     def update(self) -> None:
         now, _ = _held(self.engine)  # the peak is read once, at gather time
         self._high = (

@@ -165,6 +165,17 @@ class TakenStepsLR(torch.optim.lr_scheduler.LambdaLR):
         for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
             group["lr"] = lr
 
+    def rebase(self, base_lrs: list[float]) -> None:
+        """Go on from the current position with these base lrs: each group's lr, and
+        `get_last_lr()`, become base x the lambda's value at `last_epoch`, host floats as
+        LambdaLR computes them (a resumed run's configured lr over the checkpoint's)."""
+        self.base_lrs = list(base_lrs)
+        for group, base, factor in zip(
+            self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * factor(self.last_epoch)
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
     def state_dict(self) -> dict[str, Any]:
         """LambdaLR's state, `last_epoch` counting every step taken so far."""
         state = {k: v for k, v in super().state_dict().items() if k not in _DEVICE_KEYS}

@@ -50,7 +50,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
-        return _train(cfg, env)
+        return train_in_group(cfg, env)
     except RuntimeError as e:
         failure = tdist.peer_failure(e, cfg.dist.timeout_s)
         if failure is None:
@@ -60,7 +60,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         tdist.shutdown()
 
 
-def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
+def train_in_group(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
+    """The run, in a process group already set up (`train` sets it up and takes it down);
+    returns what `finish` returns."""
     run = build_run(cfg, env)
     start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
     if run.guard.check(preempt.requested())[1]:  # signalled during set-up: stop here
