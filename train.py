@@ -5,17 +5,17 @@ from __future__ import annotations
 import os
 import sys
 
-from trainer import preempt
+from trainer.run import preempt
 
 if __name__ == "__main__":
     # Before the slower imports: a SIGTERM from the first moment on stops the run with
-    # one line, never half-started ([Note: stopping on SIGTERM] in trainer/preempt.py).
+    # one line, never half-started ([Note: stopping on SIGTERM] in trainer/run/preempt.py).
     preempt.install()
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from trainer.cli import check_group_choices, check_run_dir, run_and_exit  # noqa: E402
+from trainer.run.cli import check_group_choices, check_run_dir, run_and_exit  # noqa: E402
 
 
 def _one_run_directory_for_all_ranks() -> None:

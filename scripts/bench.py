@@ -544,7 +544,7 @@ def hybrid_targets(result: dict, by_name: dict[str, dict]) -> list[str]:
     return out
 
 
-def _without_nproc(argv: list[str] | None) -> list[str]:
+def without_nproc(argv: list[str] | None) -> list[str]:
     """The arguments minus `--nproc N`: torchrun would take it for its --nproc-per-node."""
     args, out = list(sys.argv[1:] if argv is None else argv), []
     while args:
@@ -567,7 +567,7 @@ def launch(script: str, nproc: int, args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "RANK" not in os.environ:  # not under torchrun: launch it, with these arguments
-        sys.exit(launch(__file__, args.nproc, _without_nproc(argv)))
+        sys.exit(launch(__file__, args.nproc, without_nproc(argv)))
     result = run(args)
     if result:
         report(result, markdown(result), args.out, args.md)

@@ -13,7 +13,7 @@ the ratios come from steps timed side by side. A step's time is the slowest rank
                  cross-entropy, backward, AdamW step, zero_grad), no communication; its
                  tokens/s are summed over the ranks: at 1 rank the plain single-process
                  loop, at P ranks what perfect data parallelism would reach here
-    ddp, zero, fsdp   build_engine(model, mode, AdamW) stepped as trainer/loop.py steps
+    ddp, zero, fsdp   build_engine(model, mode, AdamW) stepped as trainer/run/loop.py steps
                  it (`forward_backward`, `engine.step()`), on each rank's part of the
                  global batch (batch-per-rank windows per rank)
     *_compiled   with --compile: the same after trainer.compile.compile_layers(model)
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench import Built, _without_nproc, launch, report, timed_steps  # noqa: E402
+from bench import Built, launch, report, timed_steps, without_nproc  # noqa: E402
 
 from trainer import dist as tdist  # noqa: E402
 from trainer.compile import compile_layers  # noqa: E402
@@ -127,8 +127,8 @@ def make_model(args: argparse.Namespace, vocab: int) -> GPT:
 
 
 def build(name: str, args: argparse.Namespace, vocab: int, x, y) -> Built:
-    from trainer.loop import forward_backward
     from trainer.parallel import build_engine
+    from trainer.run.loop import forward_backward
 
     model = make_model(args, vocab)
     base = name.removesuffix("_compiled")
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         if result and args.json_out:
             args.json_out.write_text(json.dumps(result) + "\n")
         return
-    own = _without_nproc(argv)  # each launch's world size is torchrun's
+    own = without_nproc(argv)  # each launch's world size is torchrun's
     launches = []
     with tempfile.TemporaryDirectory() as tmp:
         for p in args.nproc:

@@ -5,9 +5,9 @@
 
 With 4 ranks the values are the reference table of COLLECTIVES.md; other world sizes
 follow the same rules. Letters A, B, C, D stand for "rank 0's item", "rank 1's item", ...
-Every demo goes through trainer.comm, the module the trainer itself uses (scatter and the
-all-to-alls through trainer.comm_extra, on the same launch path), so this is the trainer's
-code path on Gloo (CPU) or NCCL (GPU).
+Every demo goes through trainer.comm, the package the trainer itself uses (scatter and the
+all-to-alls through trainer/comm/all_to_all.py, on the same launch path), so this is the
+trainer's code path on Gloo (CPU) or NCCL (GPU).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer import comm, comm_extra  # noqa: E402
+from trainer import comm  # noqa: E402
 from trainer import dist as tdist  # noqa: E402
+from trainer.comm.all_to_all import all_to_all, all_to_all_uneven, scatter  # noqa: E402
 from trainer.dist import DistEnv  # noqa: E402
 
 # Every demo returns (before, after) for its rank: the values as shown to people (lists of
@@ -93,7 +94,7 @@ def demo_scatter(env: DistEnv) -> Shown:
     if env.rank == 0:
         pieces = list(torch.arange(float(env.world_size), device=env.device).split(1))
         before = letters(torch.cat(pieces))
-    comm_extra.scatter(out, pieces, src=0).wait()
+    scatter(out, pieces, src=0).wait()
     return before, letters(out)
 
 
@@ -117,7 +118,7 @@ def demo_all_to_all(env: DistEnv) -> Shown:
     p, r = env.world_size, env.rank
     sent = 10 * r + torch.arange(float(p), device=env.device)  # [10r + 0, 10r + 1, ...]
     received = torch.empty_like(sent)
-    comm_extra.all_to_all(received, sent).wait()
+    all_to_all(received, sent).wait()
     return ints(sent), ints(received)
 
 
@@ -136,7 +137,7 @@ def demo_all_to_all_uneven(env: DistEnv) -> Shown:
     pieces = [
         torch.full((uneven_count(r, j, p),), 10.0 * r + j, device=env.device) for j in range(p)
     ]
-    received, handle = comm_extra.all_to_all_uneven(pieces)
+    received, handle = all_to_all_uneven(pieces)
     handle.wait()
     return [ints(t) for t in pieces], [ints(t) for t in received]
 

@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer import comm, comm_extra  # noqa: E402
+from trainer import comm  # noqa: E402
 from trainer import dist as tdist  # noqa: E402
+from trainer.comm.all_to_all import all_to_all  # noqa: E402
 from trainer.dist import DistEnv  # noqa: E402
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
@@ -71,7 +72,7 @@ def make_op(op: str, nbytes: int, env: DistEnv):
         return n * 4, lambda: comm.reduce(full, dst=0)
     if op == "all_to_all":
         out = torch.empty_like(full)
-        return n * 4, lambda: comm_extra.all_to_all(out, full)
+        return n * 4, lambda: all_to_all(out, full)
     raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.cli import check_group_choices, fail  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.estimate import Cluster, compose_modes, estimate  # noqa: E402
 from trainer.estimate.report import table, to_json  # noqa: E402
 from trainer.estimate.run import peak_flops  # noqa: E402
 from trainer.precision import Precision  # noqa: E402
+from trainer.run.cli import check_group_choices, fail  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

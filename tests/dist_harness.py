@@ -12,12 +12,12 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-_CTX = mp.get_context("forkserver")
+CTX = mp.get_context("forkserver")
 # Children fork from a server that has already imported torch: much faster than spawn,
 # and unlike fork from pytest it carries no OpenMP thread pool that could deadlock.
 # torch._dynamo too: the first optimizer a process builds imports it (several seconds
 # per rank, all ranks at once on a small machine).
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
 
 
 def free_port() -> int:
@@ -26,9 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(
+def worker(
     fn, rank: int, world_size: int, port: int, queue, args, kwargs, pg_timeout_s: float = 120
 ) -> None:
+    """Rank `rank` of `run_distributed`: join the group, run `fn(env, *args, **kwargs)`
+    and put (rank, result or error) on `queue`."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -66,11 +68,11 @@ def run_distributed(
 ) -> list[Any]:
     """Call `fn(env, *args, **kwargs)` on each of `world_size` ranks; return results by rank.
     `pg_timeout_s`: how long a collective may wait for its peers before it raises."""
-    queue = _CTX.Queue()
+    queue = CTX.Queue()
     port = free_port()
     procs = [
-        _CTX.Process(
-            target=_worker,
+        CTX.Process(
+            target=worker,
             args=(fn, r, world_size, port, queue, args, kwargs, pg_timeout_s),
         )
         for r in range(world_size)

@@ -103,7 +103,7 @@ def _disk_full_after(monkeypatch, limit: int) -> None:
     from trainer.checkpoint import files
 
     written = [0]
-    original = files._Sink.write
+    original = files.Sink.write
 
     def write(self, data):
         written[0] += len(data)
@@ -112,7 +112,7 @@ def _disk_full_after(monkeypatch, limit: int) -> None:
             raise self.error
         return original(self, data)
 
-    monkeypatch.setattr(files._Sink, "write", write)
+    monkeypatch.setattr(files.Sink, "write", write)
 
 
 def test_full_disk_writing_a_file(tmp_path, monkeypatch):
@@ -129,7 +129,7 @@ def test_full_disk_writing_a_file(tmp_path, monkeypatch):
 
 def test_full_disk_saving_the_final_model(tmp_path, monkeypatch):
     from trainer.errors import TrainingError
-    from trainer.loop import save_final_model
+    from trainer.run.loop import save_final_model
 
     class Engine:
         def full_state_dict(self):
@@ -255,7 +255,7 @@ def test_a_repeated_warning_is_printed_once(capsys, monkeypatch):
     from trainer.checkpoint import agree
 
     monkeypatch.setattr(comm, "rank", lambda group=None: 0)
-    monkeypatch.setattr(agree, "_said", set())
+    monkeypatch.setattr(agree, "said", set())
     for _ in range(3):
         agree.say("warning: skipping checkpoint a: truncated")
     agree.say("warning: skipping checkpoint b: truncated")

@@ -32,7 +32,8 @@ def _load(path: Path):
 
 
 def _run_demos(env) -> dict:
-    from trainer import comm, comm_extra
+    from trainer import comm
+    from trainer.comm.all_to_all import all_to_all_uneven
 
     demo = _load(DEMO)
     out = {
@@ -51,11 +52,11 @@ def _run_demos(env) -> dict:
     # all_to_all_uneven with rows of 2 columns, and a rank (the last) that receives nothing.
     r = env.rank
     pieces = [torch.full((r + 1 if j < P - 1 else 0, 2), 10.0 * r + j) for j in range(P)]
-    received, handle = comm_extra.all_to_all_uneven(pieces)
+    received, handle = all_to_all_uneven(pieces)
     handle.wait()
     out["uneven_rows"] = [t.tolist() for t in received]
     try:
-        comm_extra.all_to_all_uneven(pieces[:2])
+        all_to_all_uneven(pieces[:2])
     except ValueError as e:
         out["uneven_error"] = str(e)
 

@@ -1,4 +1,4 @@
-"""comm.py's averaging plans and its CUDA timing bookkeeping, checked on CPU."""
+"""comm/collectives.py's averaging plans and its CUDA timing bookkeeping, checked on CPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from dist_harness import run_distributed
 from torch.distributed import ReduceOp
 
-from trainer import comm
 from trainer.comm import AveragePlan, average_plan
+from trainer.comm import collectives as comm  # the module whose names the fakes replace
 
 # ---------------------------------------------------------------------------------------
 # Averaging: which plan, and that the plan is carried out.
@@ -122,9 +122,7 @@ def _without_single_names(env) -> dict[str, object]:
         delattr(dist, name)
     try:
         p, r = env.world_size, env.rank
-        out: dict[str, object] = {
-            "picked": [comm._native(op).__name__ for op in comm._NATIVE_NAMES]
-        }
+        out: dict[str, object] = {"picked": [comm.native(op).__name__ for op in comm.NATIVE_NAMES]}
         with comm.p2p(False):  # the backend's own ops, the path the fallback serves
             full = torch.arange(4.0) + 10 * r  # (P x 2,)
             shard = torch.empty(2)
@@ -233,7 +231,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(comm, "_cuda", _FakeCuda)
     monkeypatch.setattr(comm, "_is_cuda", lambda t: True)
     monkeypatch.setattr(comm, "_streams", {})
-    monkeypatch.setattr(comm, "_pending_timings", [])
+    monkeypatch.setattr(comm, "pending_timings", [])
     monkeypatch.setattr(comm, "_divide", divide)
 
     def record_stream(self, stream):  # [Note: communication streams]: never needed
@@ -258,9 +256,9 @@ def test_busy_spans_the_collective_and_its_finishing_step(fake_cuda):
     t = torch.full((4,), 2.0)
     for _ in range(5):
         _step(t)
-    assert len(comm._pending_timings) == 10  # a busy and an exposed pair per collective
+    assert len(comm.pending_timings) == 10  # a busy and an exposed pair per collective
     comm.stats.settle()
-    assert comm._pending_timings == []
+    assert comm.pending_timings == []
     assert comm.stats.busy_s == pytest.approx(5 * 4.0 / 1e3)  # 3 ms + 1 ms, five times
     assert comm.stats.exposed_s == pytest.approx(5 * 0.5 / 1e3)
     assert t.tolist() == [2.0 / 2**5] * 4  # the averaging ran, once per collective
@@ -273,14 +271,14 @@ def test_busy_is_the_union_of_intervals():
         return e
 
     spans = [(ev(0), ev(10)), (ev(5), ev(15)), (ev(20), ev(25)), (ev(21), ev(22))]
-    assert comm._union_s(spans) == pytest.approx(20 / 1e3)  # [0, 15] and [20, 25]
+    assert comm.union_s(spans) == pytest.approx(20 / 1e3)  # [0, 15] and [20, 25]
 
 
 def test_pending_timings_stay_bounded_in_a_loop_that_never_settles(fake_cuda):
     t = torch.ones(4)
     for _ in range(1000):
         _step(t)
-        assert len(comm._pending_timings) <= comm._MAX_PENDING
+        assert len(comm.pending_timings) <= comm.MAX_PENDING
     assert _Clock.synchronized == 0  # completed events were folded without a host sync
     comm.stats.settle()
     assert comm.stats.busy_s == pytest.approx(1000 * 4.0 / 1e3)
@@ -291,7 +289,7 @@ def test_a_gpu_far_behind_is_waited_for_only_when_the_cap_is_reached(fake_cuda):
     t = torch.ones(4)
     for _ in range(1000):
         _step(t)
-        assert len(comm._pending_timings) <= comm._MAX_PENDING
+        assert len(comm.pending_timings) <= comm.MAX_PENDING
     # 2000 entries, one synchronize each time the list passes 1024
     assert _Clock.synchronized == 1
     comm.stats.settle()
@@ -301,13 +299,13 @@ def test_a_gpu_far_behind_is_waited_for_only_when_the_cap_is_reached(fake_cuda):
 def test_unaccounted_collectives_leave_no_timing_and_no_bytes(fake_cuda):
     t = torch.ones(4)
     _step(t)
-    pending, sent = len(comm._pending_timings), dict(comm.stats.bytes_sent)
+    pending, sent = len(comm.pending_timings), dict(comm.stats.bytes_sent)
     with comm.unaccounted():
         for _ in range(3):
             _step(t)
         h = comm.all_reduce(t)  # launched inside, waited outside: still not counted
     h.wait()
-    assert len(comm._pending_timings) == pending == 2
+    assert len(comm.pending_timings) == pending == 2
     assert dict(comm.stats.bytes_sent) == sent
     comm.stats.settle()
     assert comm.stats.busy_s == pytest.approx(4.0 / 1e3)

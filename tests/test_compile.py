@@ -26,8 +26,8 @@ STEPS, BATCH = 3, 8
 
 
 def _train(env, mode: str, compiled: bool) -> tuple[dict, list[float]]:
-    from trainer.loop import forward_backward
     from trainer.parallel import build_engine
+    from trainer.run.loop import forward_backward
 
     model = make_model("gpt", seed=env.rank)  # rank 0's initial values win in every mode
     if compiled:

@@ -146,9 +146,9 @@ def _activations(cfg, x, y) -> int:
 def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
     from trainer import comm, memory
     from trainer.config import engine_options
-    from trainer.loop import forward_backward
     from trainer.optim import param_options
     from trainer.parallel import build_engine
+    from trainer.run.loop import forward_backward
 
     out = []
     for cfg, with_activations in zip(cfgs, activations, strict=True):

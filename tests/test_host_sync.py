@@ -3,7 +3,7 @@ ways: the reads that go through trainer.host, and the aten ops that can only run
 reading a value back (`_local_scalar_dense` behind `.item()` and `bool()`, `nonzero`).
 On a GPU each would stall the CPU until the device catches up. fp16 decides on the
 device whether to skip a step; only an optimizer that cannot skip by itself makes the
-host read the flag ([Note: dynamic loss scaling] in trainer/precision.py)."""
+host read the flag ([Note: dynamic loss scaling] in trainer/scaling.py)."""
 
 import functools
 
@@ -22,7 +22,7 @@ MODES = {
 SYNCING_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero"}
 
 
-class _CountSyncingOps(TorchDispatchMode):
+class CountSyncingOps(TorchDispatchMode):
     """Counts the syncing ops, except reads of the optimizer's step counters: torch keeps
     those on the CPU even when training on a GPU (non-capturable optimizers), so AdamW's
     `step.item()` for its bias correction is no device read."""
@@ -65,7 +65,7 @@ def _steady_reads(env, cases) -> dict:
 
         for x, y in data[:2]:  # warm-up: optimizer state, first-step bookkeeping
             step(x, y)
-        with host.counting() as reads, _CountSyncingOps(engine.optimizer) as ops:
+        with host.counting() as reads, CountSyncingOps(engine.optimizer) as ops:
             for x, y in data[2:]:
                 step(x, y)
         out[(name, kind, precision, clip, *optim)] = (reads.count, reads.where, ops.ops)
@@ -126,7 +126,7 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
     from test_cli import ROOT
 
     from trainer import host
-    from trainer import loop as trainer_loop
+    from trainer.run import loop as trainer_loop
 
     overrides = [
         "mode=zero",
@@ -152,7 +152,7 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
         # No Hydra run here: the run directory is the test's.
         trainer_loop.shared_run_dir = lambda env, d=Path(run_dir) / name: d
         with host.counting() as reads:
-            final = trainer_loop._train(cfg, env)
+            final = trainer_loop.train_in_group(cfg, env)
         out[name] = (reads.where, final)
     return out
 

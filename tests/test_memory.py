@@ -430,7 +430,7 @@ def test_monitor_reports_the_cuda_step_peak(fake_cuda):
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     engine = SimpleNamespace(module=model, optimizer=optimizer, state_tensors=dict)
     monitor = MemoryMonitor(engine, numel=6)
-    assert isinstance(monitor._step_peak, CudaStepPeak)
+    assert isinstance(monitor.step_peak, CudaStepPeak)
     fake_cuda.alloc(4 * MiB)  # before the step: a peak the figure must not carry
     fake_cuda.free(3 * MiB)
     _cuda_step(fake_cuda, model, optimizer, 2 * MiB)

@@ -29,7 +29,9 @@ class Frozen(nn.Module):
         super().__init__()
         from trainer.models import GPT
 
-        self.gpt = GPT(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16, tie_weights=True)
+        self.gpt = GPT(
+            vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16, tie_weights=True
+        )
         self.frozen = nn.Linear(37, 5)
         self.frozen.requires_grad_(False)
         self.norm = nn.BatchNorm1d(5)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trainer import comm
-from trainer.metrics import _FIELDS, IntervalMetrics
+from trainer.metrics import FIELDS, IntervalMetrics
 
 
 class _DoneHandle:
@@ -46,7 +46,7 @@ def test_reduce_packs_every_field_on_the_metric_device(fake_reduce, monkeypatch)
     assert m.reduce() is None
     (packed,) = fake_reduce
     assert packed.device == meta
-    assert packed.shape == (len(_FIELDS),) and packed.dtype == torch.float64
+    assert packed.shape == (len(FIELDS),) and packed.dtype == torch.float64
 
 
 def test_reduce_values_on_rank0(fake_reduce, monkeypatch):
@@ -58,7 +58,7 @@ def test_reduce_values_on_rank0(fake_reduce, monkeypatch):
     m.add(torch.tensor(3.0), torch.tensor(16.0), 64, samples=8, grad_norm=torch.tensor(4.0))
     out = m.reduce()
     (packed,) = fake_reduce
-    sums = dict(zip(_FIELDS, packed.tolist(), strict=True))
+    sums = dict(zip(FIELDS, packed.tolist(), strict=True))
     assert sums["loss_sum"] == 256.0 and sums["correct"] == 48.0 and sums["steps"] == 2
     assert out["train/loss"] == 2.0
     assert out["train/accuracy"] == 48 / 128

@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import _CTX, _worker, free_port
+from dist_harness import CTX, free_port, worker
 from reference import IN, OUT, OddMLP, WithBatchNorm, any_loss, assert_state_close, rank_slice
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -702,11 +702,9 @@ def _launch(world: int, plan: list[tuple[str, list[str]]]) -> list[dict]:
     from the file it saves after every case; its peers then fail their collectives
     ("connection closed") and report."""
     with tempfile.TemporaryDirectory() as folder:
-        queue, port = _CTX.Queue(), free_port()
+        queue, port = CTX.Queue(), free_port()
         procs = [
-            _CTX.Process(
-                target=_worker, args=(_run_cases, r, world, port, queue, (plan, folder), {})
-            )
+            CTX.Process(target=worker, args=(_run_cases, r, world, port, queue, (plan, folder), {}))
             for r in range(world)
         ]
         for p in procs:

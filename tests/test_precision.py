@@ -21,7 +21,8 @@ from reference import OPTIMIZERS, any_loss, batches, make_model, rank_slice
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.precision import LossScaler, Precision
+from trainer.precision import Precision
+from trainer.scaling import LossScaler
 
 MODES = ("ddp", "zero", "fsdp")
 STEPS, BATCH = 4, 12
@@ -63,7 +64,7 @@ def _bf16(env, mode: str) -> dict:
 
 def _bf16_accumulated(env, mode: str) -> dict:
     """As _bf16, each rank's slice run as 2 micro-batches under no_sync."""
-    from trainer.loop import forward_backward
+    from trainer.run.loop import forward_backward
 
     engine = _engine(mode, make_model("gpt", seed=env.rank), precision="bf16")
     for x, y in batches("gpt", STEPS, BATCH):

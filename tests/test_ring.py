@@ -1,4 +1,4 @@
-"""comm.py's own reduce-scatter / all-gather (point-to-point sends) equal the native ops.
+"""comm's own reduce-scatter / all-gather (point-to-point sends) equal the native ops.
 
 Each world size runs once (a module fixture); every case runs both paths on the same
 inputs, and the parent checks both against a reference summed from the regenerated
@@ -70,7 +70,7 @@ def _worker(env) -> dict:
     from trainer import comm
 
     p, r = env.world_size, env.rank
-    res: dict = {"auto_p2p": comm._p2p_enabled(None)}
+    res: dict = {"auto_p2p": comm.p2p_enabled(None)}
     for n in SHARDS:
         for dtype in (torch.float32, torch.int64):
             full = _data(r, p, n, dtype)

@@ -20,7 +20,8 @@ from test_cli import ROOT, TORCHRUN, run_cli
 TINY = ["model.hidden=16", "model.depth=1", "train.batch_size=16", "train.log_every=1"]
 HOLD = (
     "import sys, time; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
-    "from trainer.rundir import _lock; _lock(Path(sys.argv[2]), 'hydra.run.dir'); "
+    "from trainer.run.rundir import lock_directory; "
+    "lock_directory(Path(sys.argv[2]), 'hydra.run.dir'); "
     "print('held', flush=True); "
     "time.sleep(600)"
 )
@@ -167,16 +168,16 @@ def test_what_a_resume_may_change(change, refused):
     from omegaconf import OmegaConf
 
     from trainer import schema  # noqa: F401  (registers the types conf/ names)
-    from trainer.checkpoint.resume import NotResumable, _refuse_changes
+    from trainer.checkpoint.resume import NotResumable, refuse_changes
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         meta = {"config": OmegaConf.to_yaml(compose("config"))}  # as the checkpoint saved it
         cfg = compose("config", overrides=[change])
     if refused is None:
-        _refuse_changes(cfg, Path("ckpt"), meta)
+        refuse_changes(cfg, Path("ckpt"), meta)
     else:
         with pytest.raises(NotResumable) as e:
-            _refuse_changes(cfg, Path("ckpt"), meta)
+            refuse_changes(cfg, Path("ckpt"), meta)
         assert str(e.value).startswith(refused), str(e.value)
 
 
@@ -334,7 +335,7 @@ def test_sigterm_during_set_up_stops_before_the_first_step(tmp_path):
 LAUNCHER = """
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
-from trainer import preempt
+from trainer.run import preempt
 preempt.install()
 os.kill(os.getpid(), signal.SIGTERM)  # before the workers would start: kept
 try:
@@ -354,7 +355,7 @@ print("flagged:", preempt.requested())
 
 
 def test_a_launcher_signalled_before_its_workers_start_stops_at_once():
-    # What launcher.nproc's parent does around starting its workers (trainer/cli.py).
+    # What launcher.nproc's parent does around starting its workers (trainer/run/cli.py).
     proc = subprocess.run(
         [sys.executable, "-c", LAUNCHER, str(ROOT)], capture_output=True, text=True, timeout=60
     )

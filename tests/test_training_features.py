@@ -54,7 +54,7 @@ def _engine(mode: str, model: nn.Module, optim: str = "adamw", **extra):
 
 def _accumulate(env, mode: str) -> dict:
     """The training loop's forward_backward: ACCUM micro-batches per rank and step."""
-    from trainer.loop import forward_backward
+    from trainer.run.loop import forward_backward
 
     # SGD: Adam divides by the gradients' magnitude, so it turns the rounding differences
     # of near-zero gradients into full-size steps; SGD keeps parity meaningful.
@@ -410,7 +410,7 @@ def test_schedule_warmup_then_cosine():
 def test_schedule_counts_taken_steps_on_the_device_as_the_host_would():
     # fp16 decides on the device whether a step was taken: the schedule must give every
     # step the lr a host-decided skip gives it, without reading the flag.
-    from test_host_sync import _CountSyncingOps
+    from test_host_sync import CountSyncingOps
 
     from trainer import host
     from trainer.optim import lr_scheduler
@@ -424,7 +424,7 @@ def test_schedule_counts_taken_steps_on_the_device_as_the_host_would():
     on_device = lr_scheduler(opt, cfg, 10, on_device=True)
     taken = [False, True, False, True, True, False, True, True, True]
     used = []
-    with host.counting() as reads, _CountSyncingOps(opt) as ops:
+    with host.counting() as reads, CountSyncingOps(opt) as ops:
         for t in taken:
             used.append(opt.param_groups[0]["lr"])
             on_host.optimizer.step()  # no gradients: nothing moves; the order torch wants

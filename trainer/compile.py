@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.parallel.units import DEFAULT_UNIT_CLASSES, _by_class, _by_repetition
+from trainer.parallel.units import DEFAULT_UNIT_CLASSES, units_by_class, units_by_repetition
 
 
 def layers(
@@ -56,8 +56,8 @@ def layers(
     """(name, module) of the layers fsdp makes units of by class and by repetition, in
     registration order ([Note: compiling layers, not their hooks])."""
     classes = set(DEFAULT_UNIT_CLASSES if unit_classes is None else unit_classes)
-    by_class = _by_class(model, classes)
-    chosen = by_class | (_by_repetition(model, by_class) if repeated_children else set())
+    by_class = units_by_class(model, classes)
+    chosen = by_class | (units_by_repetition(model, by_class) if repeated_children else set())
     return [(n, m) for n, m in model.named_modules() if n and id(m) in chosen]
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import schema  # noqa: F401  (registers the types conf/config.yaml names)
 from trainer.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # what train.py composes
 
 
 def _show(value: Any) -> str:
@@ -66,7 +69,7 @@ def validate(cfg: DictConfig, world_size: int) -> None:
             f"{world_size}{accum}; use a multiple of {world_size * k}"
         )
     if cfg.mode.get("shard_group_size") is not None:
-        from trainer.comm_groups import check_shard_group_size
+        from trainer.comm.groups import check_shard_group_size
 
         check_shard_group_size(cfg.mode.shard_group_size, world_size)
     _whole("train.eval_every", cfg.train.get("eval_every", 0), minimum=0)
@@ -97,7 +100,8 @@ def _validate_optim(optim: DictConfig) -> None:
 
 
 def _validate_precision(cfg: DictConfig) -> None:
-    from trainer.precision import LossScaler, Precision
+    from trainer.precision import Precision
+    from trainer.scaling import LossScaler
 
     Precision.of(cfg.get("precision", "fp32"), cfg.mode.get("reduce_dtype", "fp32"))
     options = OmegaConf.to_container(cfg.get("loss_scale") or {})

@@ -5,7 +5,7 @@ the device has computed the value: the CPU stops queueing kernels and communicat
 stops overlapping compute. torch DDP and FSDP2 make none in a steady step, and neither
 do the engines here, in any precision (fp16 decides on the device whether to skip a
 step; only an optimizer that cannot skip by itself makes the host read that flag, see
-[Note: dynamic loss scaling] in precision.py). Reads belong at log intervals,
+[Note: dynamic loss scaling] in scaling.py). Reads belong at log intervals,
 checkpoints and errors. So do waits for the whole device (`synchronize`): the step clock
 makes one at each end of a logging interval ([Note: timing steps] in metrics.py).
 Going through these functions lets a test count them (`counting()`).

@@ -48,7 +48,7 @@ Traffic per rank per step, ring algorithms: ddp 2(P-1)/P·Ψr (AllReduce), zero
 twice, ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
 multiple of P, so their measured figures can be a few elements above.
 
-Hybrid sharding ([Note: hybrid sharding] in comm_groups.py): the sharded kinds are split
+Hybrid sharding ([Note: hybrid sharding] in comm/groups.py): the sharded kinds are split
 over the S ranks of a shard group instead of P (fsdp with fp32 AdamW: 16Ψ/S), the
 mode's collectives run inside the group (P -> S above), and each rank sends its slice
 of the gradients across the R = P/S replicas: 2(R-1)/R · Ψr/S, logged apart as
@@ -316,6 +316,12 @@ class MemoryMonitor:
                 self._step_peak = CudaStepPeak(engine.module, optimizer, self.device)
             elif self.device.type == "cpu" and heap.available():
                 self._step_peak = heap.StepPeak(engine.module, optimizer, self._held_bytes)
+
+    @property
+    def step_peak(self) -> heap.StepPeak | CudaStepPeak | None:
+        """What measures a step's peak here: CudaStepPeak on CUDA, heap.StepPeak on CPU
+        (where the heap can be watched), None otherwise."""
+        return self._step_peak
 
     def update(self) -> None:
         now, _ = _held(self.engine)  # the peak is read once, at gather time

@@ -20,7 +20,7 @@ from trainer.models import accuracy, loss_fn
 from trainer.tb_layout import run_layout
 
 # Order of the packed tensor reduced to rank 0 (one collective per logging interval).
-_FIELDS = (
+FIELDS = (
     "loss_sum",
     "correct",
     "predictions",  # targets.numel(): samples for a classifier, tokens for a language model
@@ -73,7 +73,7 @@ class IntervalMetrics:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.clock = clock
-        self._sums = dict.fromkeys(_FIELDS, 0.0)
+        self._sums = dict.fromkeys(FIELDS, 0.0)
         self._started: float | None = None  # the clock when the interval's first step began
 
     def start_step(self) -> None:
@@ -140,7 +140,7 @@ class IntervalMetrics:
         self._sums["comm_busy_s"] = comm.stats.busy_s
         self._sums["comm_exposed_s"] = comm.stats.exposed_s
         bytes_per_op = dict(comm.stats.bytes_sent)
-        across = comm.stats.bytes_across  # [Note: hybrid sharding] in comm_groups.py
+        across = comm.stats.bytes_across  # [Note: hybrid sharding] in comm/groups.py
         latest = latest or {}
         # Rank 0's own values ride along: the other ranks add zeros to them.
         own = [v if comm.rank() == 0 else 0.0 for v in latest.values()]
@@ -150,20 +150,20 @@ class IntervalMetrics:
         packed = torch.stack(
             [
                 torch.as_tensor(v, dtype=torch.float64, device=self.device)
-                for v in [self._sums[f] for f in _FIELDS] + own
+                for v in [self._sums[f] for f in FIELDS] + own
             ]
-        )  # (len(_FIELDS) + len(latest),)
+        )  # (len(FIELDS) + len(latest),)
         comm.stats.reset()
         comm.reduce(packed, dst=0, tag="metrics").wait()
         memory = self.memory.gather() if self.memory is not None else {}  # one Gather
         comm.stats.reset()  # the metrics reduce and gather are not training traffic
         steps_local = self._sums["steps"]
-        self._sums = dict.fromkeys(_FIELDS, 0.0)
+        self._sums = dict.fromkeys(FIELDS, 0.0)
         if comm.rank() != 0:
             return None
         values = packed.tolist()
-        s = dict(zip(_FIELDS, values[: len(_FIELDS)], strict=True))
-        rank0 = dict(zip(latest, values[len(_FIELDS) :], strict=True))
+        s = dict(zip(FIELDS, values[: len(FIELDS)], strict=True))
+        rank0 = dict(zip(latest, values[len(FIELDS) :], strict=True))
         if s["samples"] == 0:  # every step of the interval was skipped
             return {}
         p = comm.world_size()

@@ -34,7 +34,7 @@ SCHEDULES = ("constant", "cosine")
 def optimizer_factory(optim: DictConfig) -> OptimizerFactory:
     """The optimizer partial from `optim`, the trainer's own keys removed, and the
     arguments left null (trainer/schema.py's `foreach`, `fused`): torch's own default
-    then, and fp16 free to build the optimizer fused (precision.fused_for_scaling)."""
+    then, and fp16 free to build the optimizer fused (scaling.fused_for_scaling)."""
     kwargs = OmegaConf.to_container(optim, resolve=True)
     for key in TRAINER_KEYS:
         kwargs.pop(key, None)
@@ -104,7 +104,7 @@ class TakenStepsLR(torch.optim.lr_scheduler.LambdaLR):
     [Note: the schedule counts taken steps]
     A step skipped for fp16 overflow must not advance the schedule, or the warm-up and
     the decay would run ahead of the updates. When the host knows (fp32, bf16, and the
-    fp16 fallback of [Note: dynamic loss scaling] in precision.py) `taken` is a bool and
+    fp16 fallback of [Note: dynamic loss scaling] in scaling.py) `taken` is a bool and
     this is plain LambdaLR, stepped on taken steps only, with host floats as lrs. When
     the device decides (`on_device`), `taken` is a 0-d bool tensor and nothing is read:
     the steps taken since the host last counted them are kept on the device (`_pending`),
@@ -164,6 +164,17 @@ class TakenStepsLR(torch.optim.lr_scheduler.LambdaLR):
         ]
         for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
             group["lr"] = lr
+
+    def rebase(self, base_lrs: list[float]) -> None:
+        """Go on from the current position with these base lrs: each group's lr, and
+        `get_last_lr()`, become base x the lambda's value at `last_epoch`, host floats as
+        LambdaLR computes them (a resumed run's configured lr over the checkpoint's)."""
+        self.base_lrs = list(base_lrs)
+        for group, base, factor in zip(
+            self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * factor(self.last_epoch)
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
         """LambdaLR's state, `last_epoch` counting every step taken so far."""

@@ -45,14 +45,14 @@ def device_of(engine) -> torch.device:
     return next(engine.module.parameters()).device
 
 
-_said: set[str] = set()
+said: set[str] = set()  # the messages `say` has printed in this process
 
 
 def say(message: str) -> None:
     # Once per process: a checkpoint skipped again (a later load, a restart's retry)
     # would otherwise repeat the same warning.
-    if comm.rank() == 0 and message not in _said:
-        _said.add(message)
+    if comm.rank() == 0 and message not in said:
+        said.add(message)
         tqdm.write(message)  # above the progress bar, not through it
 
 

@@ -93,7 +93,7 @@ def write_file(path: Path, obj: Any, atomic: bool = True) -> None:
     sink = None
     try:
         with open(target, "wb") as f:
-            sink = _Sink(f)
+            sink = Sink(f)
             torch.save(obj, sink)
             f.flush()
             os.fsync(f.fileno())
@@ -110,7 +110,7 @@ def write_file(path: Path, obj: Any, atomic: bool = True) -> None:
         raise TrainingError(f"cannot write {path}: {agree.line(e)}") from None
 
 
-class _Sink:
+class Sink:
     """The file torch.save writes through: keeps the OSError of a failed write, which
     torch replaces with a message of its own ("unexpected pos ...")."""
 

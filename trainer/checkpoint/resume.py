@@ -6,7 +6,7 @@ run (resume=null) refuses a directory that already holds checkpoints, instead of
 its own steps between another run's; resume=auto takes only checkpoints of the lineage
 named in `ckpt.dir/lineage`; resume=PATH continues PATH's lineage and refuses a
 `ckpt.dir` that holds another's. Two processes never share a directory at the same time:
-trainer/rundir.py locks it for the run.
+trainer/run/rundir.py locks it for the run.
 `ckpt.dir` must be a filesystem that every rank sees (one machine, or a shared mount).
 """
 
@@ -149,7 +149,7 @@ _WHERE_KEYS = ("root", "download")
 _TAKEN_ON_RESUME = ("optim", "train.steps", "train.grad_accum_steps")
 
 
-def _refuse_changes(cfg: DictConfig, path: Path, meta: dict[str, Any]) -> None:
+def refuse_changes(cfg: DictConfig, path: Path, meta: dict[str, Any]) -> None:
     """Refuse a changed seed, dataset or batch size, before anything is loaded."""
     saved = _saved_config(cfg, meta)
     if saved is None:
@@ -231,7 +231,7 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
     if error is not None:
         raise ConfigError(error)
     meta, state, rng = prepared
-    _refuse_changes(cfg, path, meta)  # every rank alike: the same files and config
+    refuse_changes(cfg, path, meta)  # every rank alike: the same files and config
     mine = _hparams(engine.optimizer)  # the values this run was built with
     for name, obj in stateful.items():
         if name in meta["state"]:
@@ -258,14 +258,8 @@ def _keep_hparams(optimizer: torch.optim.Optimizer, mine: list[dict[str, Any]], 
     scheduler computes it, so an unchanged run continues bitwise as before."""
     for group, values in zip(optimizer.param_groups, mine, strict=True):
         group.update({k: v for k, v in values.items() if k != "lr"})
-    lambdas = getattr(scheduler, "lr_lambdas", None)
-    if lambdas is None:  # no schedule: the lr is the configured one
+    if scheduler is None:  # no schedule: the lr is the configured one
         for group, values in zip(optimizer.param_groups, mine, strict=True):
             group["lr"] = values["lr"]
         return
-    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
-    for group, base, factor in zip(
-        optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True
-    ):
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    scheduler.rebase([g["initial_lr"] for g in optimizer.param_groups])

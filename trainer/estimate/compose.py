@@ -14,8 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import schema  # noqa: F401  (registers the config's types with Hydra)
-from trainer.cli import CONF_DIR
-from trainer.config import validate
+from trainer.config import CONF_DIR, validate
 from trainer.errors import ConfigError
 from trainer.parallel import ENGINES
 

@@ -12,7 +12,7 @@ optimizer's per-tensor state (AdamW's 0-d `step`) included.
 
 With `mode.shard_group_size` S (zero and fsdp) the flat buffers are cut over the S ranks
 of a shard group instead of all P, a rank's slice being its rank inside the group
-([Note: hybrid sharding] in comm_groups.py).
+([Note: hybrid sharding] in comm/groups.py).
 """
 
 from __future__ import annotations

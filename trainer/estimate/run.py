@@ -13,7 +13,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from trainer.comm_groups import check_shard_group_size
+from trainer.comm.groups import check_shard_group_size
 from trainer.config import engine_options
 from trainer.errors import ConfigError
 from trainer.estimate import layout
@@ -132,7 +132,7 @@ def _fit(fig: dict[str, Any], one: Activations, two: Activations, micro: int, de
 
 def shard_size(mode: str, cfg: DictConfig, world: int, flag: int | None) -> int:
     """S for zero and fsdp: `--shard-group-size`, else `mode.shard_group_size`, else all
-    ranks ([Note: hybrid sharding] in comm_groups.py). ddp shards nothing: 1."""
+    ranks ([Note: hybrid sharding] in comm/groups.py). ddp shards nothing: 1."""
     if mode == "ddp":
         return 1
     configured = cfg.mode.get("shard_group_size")

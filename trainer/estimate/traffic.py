@@ -2,7 +2,7 @@
 step time from a simple model of compute and links.
 
 [Note: traffic per rank]
-The ring model trainer/comm.py counts with: for a collective over a group of G ranks on
+The ring model trainer/comm/ counts with: for a collective over a group of G ranks on
 a buffer of n bytes (the whole buffer: the input of a ReduceScatter, the output of an
 AllGather) each rank sends `memory.bus_factor(op, G)` x n: 2(G-1)/G for AllReduce,
 (G-1)/G for ReduceScatter and AllGather. Every collective the engines issue in a step is
@@ -19,7 +19,7 @@ equals `comm.stats` after one step, to the byte:
 Left out, as comm.stats leaves them out of a step: the small AllReduces of control values
 (fp16's found-inf, the clipping norm, unused-parameter checks) and the reductions of
 metrics at logging steps.
-With hybrid sharding ([Note: hybrid sharding] in comm_groups.py) AllGathers and
+With hybrid sharding ([Note: hybrid sharding] in comm/groups.py) AllGathers and
 ReduceScatters run over the S ranks of a shard group and each rank's reduced slice (its
 flags too) is then AllReduced across the R = P/S replicas: 2(R-1)/R x Ψr/S, what
 `comm.stats.bytes_across` counts.

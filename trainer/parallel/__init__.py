@@ -14,7 +14,8 @@ from trainer.parallel.ddp import DDPEngine
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
 from trainer.parallel.fsdp import FSDPEngine
 from trainer.parallel.zero import ZeroEngine
-from trainer.precision import LossScaler, Precision, fused_for_scaling
+from trainer.precision import Precision
+from trainer.scaling import LossScaler, fused_for_scaling
 
 ENGINES: dict[str, type[Engine]] = {"ddp": DDPEngine, "zero": ZeroEngine, "fsdp": FSDPEngine}
 
@@ -34,7 +35,7 @@ def build_engine(
     """Wrap `model` (fp32) for `mode`; `optimizer` is called with the parameters it should
     step. `precision` (fp32 | bf16 | fp16) is the dtype forward and backward run in, with
     fp32 masters for the optimizer; `reduce_dtype` the dtype gradients are reduced in;
-    `loss_scale` the options of fp16's dynamic loss scaling (trainer/precision.py); in
+    `loss_scale` the options of fp16's dynamic loss scaling (trainer/scaling.py); in
     fp16 Adam, AdamW and SGD partials build torch's fused variant where it exists, which
     skips an overflowed step on the device ([Note: dynamic loss scaling]).
     `param_options(name, param)` gives a parameter's optimizer options (e.g.

@@ -40,7 +40,8 @@ from trainer.parallel.engine import (
 )
 from trainer.parallel.pieces import Piece
 from trainer.parallel.used import UsedFlags
-from trainer.precision import LossScaler, Precision
+from trainer.precision import Precision
+from trainer.scaling import LossScaler
 
 
 class _Bucket:

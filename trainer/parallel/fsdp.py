@@ -28,8 +28,9 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from trainer import comm, comm_groups
-from trainer.comm_groups import Mesh
+from trainer import comm
+from trainer.comm import groups as comm_groups
+from trainer.comm.groups import Mesh
 from trainer.errors import ConfigError
 from trainer.materialize import Source, swap_into
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
@@ -38,7 +39,8 @@ from trainer.parallel.schedule import Schedule
 from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import Arrivals, UsedFlags
-from trainer.precision import GradAccumulator, LossScaler, Precision
+from trainer.precision import GradAccumulator, Precision
+from trainer.scaling import LossScaler
 
 
 class _UnitBuffer(ShardedBuffer):
@@ -149,7 +151,7 @@ class FSDPEngine(Engine):
     the synced backward reduces them. Buffers and frozen parameters stay whole on every
     rank and follow rank 0, as in ddp; tied parameters live in the unit enclosing all
     their uses (units.py). With `shard_group_size=S` units are cut into S slices and
-    replicas average them ([Note: hybrid sharding] in comm_groups.py). The end of
+    replicas average them ([Note: hybrid sharding] in comm/groups.py). The end of
     backward runs from autograd's callback ([Note: end of backward] in engine.py)."""
 
     name = "fsdp"

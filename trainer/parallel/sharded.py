@@ -28,7 +28,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer import comm
-from trainer.comm_groups import Mesh
+from trainer.comm.groups import Mesh
 from trainer.flat import FlatLayout, ScatterInput
 from trainer.materialize import Request
 from trainer.parallel import pieces
@@ -175,7 +175,7 @@ class Reducer:
     def _release(self, b: ShardedBuffer) -> None:
         """Wait for `b`'s ReduceScatter and free its full-size input; with replicas, start
         averaging the reduced slice across them ([Note: hybrid sharding] in
-        comm_groups.py), overlapping the rest of backward. On CUDA the compute stream
+        comm/groups.py), overlapping the rest of backward. On CUDA the compute stream
         waits here, to reuse the input's memory; the host does not."""
         b.handle.wait()
         # Dropping the handle too: an in-flight op may hold references to its buffers.

@@ -70,7 +70,7 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
     return {
         "mode": engine.name,
         "world_size": engine.world_size,
-        # [Note: hybrid sharding] in comm_groups.py: ranks [0, size) hold one whole copy
+        # [Note: hybrid sharding] in comm/groups.py: ranks [0, size) hold one whole copy
         "shard_group_size": size,
         "groups": groups,
         "keys": keys,

@@ -93,8 +93,8 @@ def plan_units(
 
 def _choose(model: nn.Module, classes: set[str], min_params: int, repeated: bool) -> set[int]:
     """ids of the modules that become units ([Note: unit policy])."""
-    by_class = _by_class(model, classes)
-    whole = by_class | (_by_repetition(model, by_class) if repeated else set())
+    by_class = units_by_class(model, classes)
+    whole = by_class | (units_by_repetition(model, by_class) if repeated else set())
     return whole | _by_size(model, whole, min_params)
 
 
@@ -103,7 +103,7 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def _by_class(model: nn.Module, classes: set[str]) -> set[int]:
+def units_by_class(model: nn.Module, classes: set[str]) -> set[int]:
     """Rule 1: the outermost submodules whose class name is in `classes`."""
     found: set[int] = set()
     seen: set[int] = set()
@@ -137,7 +137,7 @@ def _repeated(container: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _by_repetition(model: nn.Module, by_class: set[int]) -> set[int]:
+def units_by_repetition(model: nn.Module, by_class: set[int]) -> set[int]:
     """Rule 2: repeated children, outermost first, that hold no unit of rule 1."""
     found: set[int] = set()
     seen: set[int] = set()

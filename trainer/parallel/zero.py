@@ -13,7 +13,7 @@ against it). Read next: sharded.py (the buffer and its reduce pipeline), buckets
 launch order), engine.py (what every mode shares).
 
 With `shard_group_size=S` buckets are cut into S slices, not P, and replicas average the
-slices across groups ([Note: hybrid sharding] in comm_groups.py). Build the engine after
+slices across groups ([Note: hybrid sharding] in comm/groups.py). Build the engine after
 moving the model to its device: `.to()` would replace the views.
 """
 
@@ -25,14 +25,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from trainer import comm, comm_groups
+from trainer import comm
+from trainer.comm import groups as comm_groups
 from trainer.flat import bucketize
 from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
 from trainer.parallel.pieces import ShardGroup
 from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.used import UsedFlags
-from trainer.precision import GradAccumulator, LossScaler, Precision
+from trainer.precision import GradAccumulator, Precision
+from trainer.scaling import LossScaler
 
 # [Note: bounded buckets]
 # ZeRO-2 that keeps every full bucket until backward ends peaks at a full gradient copy

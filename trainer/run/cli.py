@@ -26,9 +26,9 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import schema  # noqa: F401  (registers the config's types with Hydra)
+from trainer.config import CONF_DIR
 from trainer.errors import ConfigError, PeerError, TrainingError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("mode", "model", "data", "optim")
 
 
@@ -104,7 +104,7 @@ def check_run_dir(args: list[str]) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         fail(f"run directory {path} cannot be created: {existing} is not a writable directory")
-    from trainer.rundir import held_by
+    from trainer.run.rundir import held_by
 
     holder = held_by(path)
     if holder is not None:  # refused before Hydra writes .hydra/ over the holder's
@@ -160,8 +160,8 @@ def _sweep_jobs(overrides: list[str], most: int = 100) -> list[list[str]]:
 def run_and_exit(cfg: DictConfig) -> None:
     if cfg.launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_workers(cfg)
-    from trainer.loop import train
-    from trainer.preempt import EXIT_CODE, Stopped
+    from trainer.run.loop import train
+    from trainer.run.preempt import EXIT_CODE, Stopped
 
     try:
         train(cfg)
@@ -195,7 +195,7 @@ def _launch_workers(cfg: DictConfig) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainer import preempt
+    from trainer.run import preempt
 
     # The workers speak for themselves; the agent's own failure log would repeat them.
     # Some of its modules set their own level (from LOGLEVEL), so each is quietened.

@@ -14,15 +14,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from trainer import checkpoint, comm, preempt, rundir
+from trainer import checkpoint, comm
 from trainer import dist as tdist
 from trainer.build import data_dir, model_and_data
 from trainer.compile import compile_layers
 from trainer.config import engine_options, validate
 from trainer.data import make_eval_loader, make_loader
 from trainer.errors import TrainingError
-from trainer.fit import check_fit
-from trainer.guard import Guard
 from trainer.lm import generate, positions, save_model_files
 from trainer.materialize import SeededInit, empty_weights
 from trainer.memory import MemoryMonitor, count_params
@@ -31,7 +29,10 @@ from trainer.models import accuracy, loss_fn
 from trainer.optim import lr_scheduler, optimizer_factory, param_options
 from trainer.parallel import build_engine
 from trainer.parallel.engine import Engine
-from trainer.profiling import maybe_profile
+from trainer.run import preempt, rundir
+from trainer.run.fit import check_fit
+from trainer.run.guard import Guard
+from trainer.run.profiling import maybe_profile
 from trainer.text import codec_from_meta
 from trainer.tokens import read_meta
 from trainer.weights import Pretrained
@@ -51,7 +52,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
-        return _train(cfg, env)
+        return train_in_group(cfg, env)
     except RuntimeError as e:
         failure = tdist.peer_failure(e, cfg.dist.timeout_s)
         if failure is None:
@@ -61,7 +62,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         tdist.shutdown()
 
 
-def _train(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
+def train_in_group(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
+    """The run, in a process group already set up (`train` sets it up and takes it down);
+    returns what `finish` returns."""
     run = build_run(cfg, env)
     start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
     if run.guard.check(preempt.requested())[1]:  # signalled during set-up: stop here

@@ -1,21 +1,6 @@
-"""The process groups the engines communicate over, each built once per process.
-
-[Note: hybrid sharding]
-With `mode.shard_group_size=S` (zero and fsdp) the P ranks form R = P/S shard groups of
-S consecutive ranks (one node's GPUs when each node runs S ranks) and S replica groups
-of R ranks each, holding the same slice in every shard group:
-
-    P = 4, S = 2    shard groups   {0, 1} {2, 3}     AllGather, ReduceScatter
-                    replica groups {0, 2} {1, 3}     AllReduce of the reduced slice
-
-Parameters, gradients and optimizer state are sharded over the S ranks of a shard group
-(slice = rank within it) and replicated across the R groups. Each gradient buffer is
-ReduceScattered (averaged) inside the shard group, then its slice is AllReduced
-(averaged) across the replica group: the mean over all P ranks, while only 1/S of the
-gradient crosses between groups, 2(R-1)/R · Ψr/S bytes per rank and step. AllGathers
-never leave the shard group. This is FSDP2's HSDP (a 2-D DeviceMesh of ("replicate",
-"shard")) and torchtitan's dp_replicate x dp_shard. S = P is full sharding (no replica
-group, the default group as before); S = 1 is plain replication, with ddp's result.
+"""The process groups the engines communicate over, each built once per process: the
+(replicate, shard) mesh of hybrid sharding ([Note: hybrid sharding], below) and a second
+group per group for fsdp's AllGathers (`second_group`).
 
 Groups come from `dist.new_subgroups_by_enumeration`, which every rank calls with the
 same lists, so every rank must build a mesh at the same point (engine construction).
@@ -29,6 +14,23 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
+
+# [Note: hybrid sharding]
+# With `mode.shard_group_size=S` (zero and fsdp) the P ranks form R = P/S shard groups of
+# S consecutive ranks (one node's GPUs when each node runs S ranks) and S replica groups
+# of R ranks each, holding the same slice in every shard group:
+#
+#     P = 4, S = 2    shard groups   {0, 1} {2, 3}     AllGather, ReduceScatter
+#                     replica groups {0, 2} {1, 3}     AllReduce of the reduced slice
+#
+# Parameters, gradients and optimizer state are sharded over the S ranks of a shard group
+# (slice = rank within it) and replicated across the R groups. Each gradient buffer is
+# ReduceScattered (averaged) inside the shard group, then its slice is AllReduced
+# (averaged) across the replica group: the mean over all P ranks, while only 1/S of the
+# gradient crosses between groups, 2(R-1)/R · Ψr/S bytes per rank and step. AllGathers
+# never leave the shard group. This is FSDP2's HSDP (a 2-D DeviceMesh of ("replicate",
+# "shard")) and torchtitan's dp_replicate x dp_shard. S = P is full sharding (no replica
+# group, the default group as before); S = 1 is plain replication, with ddp's result.
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,9 @@
-"""Reduce-scatter and all-gather built from point-to-point sends: comm's Gloo fast path.
+"""Reduce-scatter and all-gather built from point-to-point sends: comm's Gloo fast path
+([Note: p2p collectives on Gloo], below).
 
-comm.py decides when these run (on Gloo by default, or as forced by `comm.p2p(...)`) and
-does the accounting, averaging and stream handling around them; this module only moves
-the bytes.
-
-[Note: p2p collectives on Gloo]
-Gloo runs reduce_scatter as a whole all-reduce and its all_gather is slow. Both are
-short to write from sends and receives that move exactly the textbook (P-1)/P of the
-full buffer per rank, the same bytes as the ring algorithm:
-
-  reduce-scatter: rank r sends its chunk j to rank j (every j != r) and receives chunk
-      r from every other rank; wait() adds those P-1 chunks to its own chunk r.
-  all-gather: rank r sends its shard to every other rank and receives theirs straight
-      into their places in `output`.
-
-All 2(P-1) messages are posted at once (one batch_isend_irecv) and the backend's
-threads move them, so the Handle is in flight while the caller computes. Every rank's
-k-th message goes k ranks ahead, so the first messages spread over all ranks instead
-of all landing on rank 0. A ring (P-1 dependent steps: receive from r-1, add, forward
-to r+1) sends the same bytes but needs a helper thread to chain its steps; it measured
-slower than this on Gloo at every size and world size tried (docs/comm_bench.md). The
-price is a receive buffer of (P-2)/P of the input per reduce-scatter in flight, (P-1)/P
-when the output is the input's own chunk (a ring needs 2/P).
-NCCL's native collectives are already bandwidth-optimal rings/trees: NCCL stays native.
+collectives.py decides when these run (on Gloo by default, or as forced by
+`comm.p2p(...)`) and does the accounting, averaging and stream handling around them;
+this module only moves the bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +12,26 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+# [Note: p2p collectives on Gloo]
+# Gloo runs reduce_scatter as a whole all-reduce and its all_gather is slow. Both are
+# short to write from sends and receives that move exactly the textbook (P-1)/P of the
+# full buffer per rank, the same bytes as the ring algorithm:
+#
+#   reduce-scatter: rank r sends its chunk j to rank j (every j != r) and receives chunk
+#       r from every other rank; wait() adds those P-1 chunks to its own chunk r.
+#   all-gather: rank r sends its shard to every other rank and receives theirs straight
+#       into their places in `output`.
+#
+# All 2(P-1) messages are posted at once (one batch_isend_irecv) and the backend's
+# threads move them, so the Handle is in flight while the caller computes. Every rank's
+# k-th message goes k ranks ahead, so the first messages spread over all ranks instead
+# of all landing on rank 0. A ring (P-1 dependent steps: receive from r-1, add, forward
+# to r+1) sends the same bytes but needs a helper thread to chain its steps; it measured
+# slower than this on Gloo at every size and world size tried (docs/comm_bench.md). The
+# price is a receive buffer of (P-2)/P of the input per reduce-scatter in flight, (P-1)/P
+# when the output is the input's own chunk (a ring needs 2/P).
+# NCCL's native collectives are already bandwidth-optimal rings/trees: NCCL stays native.
 
 _P2P_TAG = 0x50325043  # tag of these messages, apart from any other p2p traffic
 

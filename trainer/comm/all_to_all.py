@@ -1,8 +1,8 @@
 """Collectives the trainer itself does not use, kept for the collectives demo, the
 benchmark and MoE-style token dispatch: scatter, all-to-all and uneven all-to-all.
 
-They go through comm.py's launch path (byte counting, test hooks, comm stream, `Handle`)
-exactly as the core collectives do.
+They go through collectives.py's launch path (byte counting, test hooks, comm stream,
+`Handle`) exactly as the core collectives do.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from trainer import comm
-from trainer.comm import Handle
+from trainer.comm.collectives import Handle, launch, nbytes, on_comm_stream, rank, world_size
 
 
 def scatter(
@@ -26,9 +25,9 @@ def scatter(
 ) -> Handle:
     """Rank r receives `scatter_list[r]` from rank `src`."""
     sent = 0
-    if scatter_list and comm.rank(group) == src:
-        sent = sum(comm._nbytes(t) for t in scatter_list[1:])
-    comm._launch("scatter", tag, sent)
+    if scatter_list and rank(group) == src:
+        sent = sum(nbytes(t) for t in scatter_list[1:])
+    launch("scatter", tag, sent)
     return Handle(dist.scatter(output, scatter_list, src, group=group, async_op=True))
 
 
@@ -42,14 +41,14 @@ def all_to_all(
     group=None,
 ) -> Handle:
     """Rank r's j-th input piece lands as rank j's r-th output piece (splits along dim 0)."""
-    p = comm.world_size(group)
+    p = world_size(group)
     if input_splits is None:
-        sent = (p - 1) / p * comm._nbytes(input)
+        sent = (p - 1) / p * nbytes(input)
     else:
-        row = comm._nbytes(input) / max(input.shape[0], 1)
-        sent = row * (sum(input_splits) - input_splits[comm.rank(group)])
-    comm._launch("all_to_all", tag, sent)
-    with comm._on_comm_stream(output, input, group=group) as start:
+        row = nbytes(input) / max(input.shape[0], 1)
+        sent = row * (sum(input_splits) - input_splits[rank(group)])
+    launch("all_to_all", tag, sent)
+    with on_comm_stream(output, input, group=group) as start:
         work = dist.all_to_all_single(
             output, input, output_splits, input_splits, group=group, async_op=True
         )
@@ -67,7 +66,7 @@ def all_to_all_uneven(
     returned in flight. Returns the received pieces in source-rank order (valid once the
     handle is waited) and the handle.
     """
-    p = comm.world_size(group)
+    p = world_size(group)
     if len(pieces) != p:
         raise ValueError(f"all_to_all_uneven: got {len(pieces)} pieces for world size {p}")
     sizes = torch.tensor([t.shape[0] for t in pieces], dtype=torch.int64, device=pieces[0].device)

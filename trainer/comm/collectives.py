@@ -2,14 +2,16 @@
 
 Every collective returns a `Handle`: the call launches the operation asynchronously and
 `Handle.wait()` is the one place a caller blocks on it. Keeping all of them here gives
-one spot for byte counting, timing (total vs. exposed communication time), backend
-fast paths and the test hooks (`tracing()`, `delayed()`, `p2p()`). Two neighbours use
-the same launch path: comm_p2p.py (the Gloo send/recv fast path for reduce-scatter and
-all-gather) and comm_extra.py (scatter and all-to-all, which only the demo and the
-benchmark use).
+one spot for byte counting, timing (total vs. exposed communication time, [Note:
+communication streams]), backend fast paths and the test hooks, at the end of this file
+(`tracing()`, `membership()`, `delayed()`, `p2p()`).
 
 Averages follow `average_plan` ([Note: averaging over ranks]): NCCL's own `ReduceOp.AVG`
 where it is safe, SUM and a division elsewhere.
+
+Read next: sendrecv.py (the Gloo send/recv fast path for reduce-scatter and all-gather),
+all_to_all.py (scatter and all-to-all, on this module's launch path), groups.py (shard
+and replica groups).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from trainer import comm_groups, comm_p2p
-from trainer.comm_p2p import P2PWork
+from trainer.comm import groups, sendrecv
+from trainer.comm.sendrecv import P2PWork
 
 # ---------------------------------------------------------------------------------------
 # Accounting: bytes each rank sends per collective type (ring algorithm model), the time
@@ -48,22 +50,22 @@ class CommStats:
         """CUDA: fold collectives' event timings into busy_s / exposed_s. `block=False`
         folds only the leading ones whose events have completed, without a host sync.
         [Note: communication streams]"""
-        if block and _pending_timings:
+        if block and pending_timings:
             _cuda.synchronize()
-            n = len(_pending_timings)
+            n = len(pending_timings)
         else:
             n = 0
-            while n < len(_pending_timings) and _pending_timings[n][2].query():
+            while n < len(pending_timings) and pending_timings[n][2].query():
                 n += 1
         if n == 0:
             return
-        batch = _pending_timings[:n]
-        del _pending_timings[:n]
-        self.busy_s += _union_s([(a, b) for kind, a, b in batch if kind == "busy"])
-        self.exposed_s += _union_s([(a, b) for kind, a, b in batch if kind == "exposed"])
+        batch = pending_timings[:n]
+        del pending_timings[:n]
+        self.busy_s += union_s([(a, b) for kind, a, b in batch if kind == "busy"])
+        self.exposed_s += union_s([(a, b) for kind, a, b in batch if kind == "exposed"])
 
     def reset(self) -> None:
-        _pending_timings.clear()
+        pending_timings.clear()
         self.bytes_sent.clear()
         self.calls.clear()
         self.bytes_across = 0.0
@@ -75,71 +77,6 @@ class CommStats:
 stats = CommStats()
 
 _accounting = True  # False inside unaccounted()
-
-# ---------------------------------------------------------------------------------------
-# Test hooks, each a context manager that restores the previous setting on exit:
-# `tracing()` records (event, tag) tuples in issue order, `membership()` the ranks of
-# each launch's group, `delayed(s)` sleeps before each
-# launch so tests can expose missing synchronisation, `p2p(flag)` forces comm_p2p's
-# send/recv collectives on or off.
-
-_trace: list[tuple[str, str]] | None = None
-_members: list[tuple[str, tuple[int, ...]]] | None = None
-_delay_s: float = 0.0
-_use_p2p: bool | None = None  # None: p2p on Gloo, native elsewhere; True/False force either
-
-
-@contextlib.contextmanager
-def tracing() -> Iterator[list[tuple[str, str]]]:
-    """Yield the list that launches and `record` events append to while the block runs."""
-    global _trace
-    saved, _trace = _trace, []
-    try:
-        yield _trace
-    finally:
-        _trace = saved
-
-
-@contextlib.contextmanager
-def membership() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
-    """Yield the list that every launch inside the block appends (op, global ranks of
-    its group) to: which ranks each collective ran between."""
-    global _members
-    saved, _members = _members, []
-    try:
-        yield _members
-    finally:
-        _members = saved
-
-
-@contextlib.contextmanager
-def delayed(seconds: float) -> Iterator[None]:
-    """Sleep `seconds` before every collective launched inside the block."""
-    global _delay_s
-    saved, _delay_s = _delay_s, seconds
-    try:
-        yield
-    finally:
-        _delay_s = saved
-
-
-@contextlib.contextmanager
-def p2p(enabled: bool | None) -> Iterator[None]:
-    """Force reduce_scatter / all_gather onto comm_p2p's sends (True) or the backend's
-    native op (False) inside the block; None restores the choice by backend."""
-    global _use_p2p
-    saved, _use_p2p = _use_p2p, enabled
-    try:
-        yield
-    finally:
-        _use_p2p = saved
-
-
-def _p2p_enabled(group) -> bool:
-    """[Note: p2p collectives on Gloo] in comm_p2p.py."""
-    if _use_p2p is not None:
-        return _use_p2p
-    return dist.get_backend(group) == "gloo"
 
 
 @contextlib.contextmanager
@@ -153,12 +90,6 @@ def unaccounted():
         yield
     finally:
         _accounting = saved
-
-
-def record(event: str, tag: str = "") -> None:
-    """Append an event to the trace inside `tracing()`; free otherwise."""
-    if _trace is not None:
-        _trace.append((event, tag))
 
 
 class Handle:
@@ -250,13 +181,13 @@ class Handle:
 # oldest ReduceScatter's event, `reduce_scatter_max_input_buffers` of them kept); with
 # NCCL's AVG that event is the `end` here, there being no finishing step. The results
 # are consumed later: the reduced slices (and their AllReduce across replicas, [Note:
-# hybrid sharding] in comm_groups.py) become the optimizer's gradients only in the
+# hybrid sharding] in groups.py) become the optimizer's gradients only in the
 # end-of-backward callback, as in FSDP2's `finalize_backward`.
 # Timing: a `start` event before the collective and the `end` event after its finishing
 # step, both on the comm stream, bound the time it occupied that stream; busy is the
 # union of those intervals. Exposed time is the compute stream's stall: an event before
 # its wait and one after. Events are read lazily, in `stats.settle()`; when more than
-# `_MAX_PENDING` wait to be read (a loop that never calls settle), the completed ones
+# `MAX_PENDING` wait to be read (a loop that never calls settle), the completed ones
 # are folded without a host sync, and only if the GPU is that far behind does it block.
 # Collectives launched under `unaccounted()` record no timing events.
 # On CPU (Gloo) the same calls use Gloo's asynchronous work handles and wall-clock time.
@@ -264,10 +195,10 @@ class Handle:
 # The CUDA entry points this module uses, in one name: tests stand a fake in for it.
 _cuda = torch.cuda
 
-_MAX_PENDING = 1024
+MAX_PENDING = 1024
 _streams: dict[tuple[torch.device, dist.ProcessGroup | None], torch.cuda.Stream] = {}
 # ("busy" | "exposed", first event, second event), in the order they were recorded
-_pending_timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+pending_timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
 
 def _is_cuda(t: torch.Tensor) -> bool:
@@ -287,14 +218,14 @@ def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
 
 
 def _add_timing(kind: str, first: torch.cuda.Event, second: torch.cuda.Event) -> None:
-    _pending_timings.append((kind, first, second))
-    if len(_pending_timings) > _MAX_PENDING:  # [Note: communication streams]
+    pending_timings.append((kind, first, second))
+    if len(pending_timings) > MAX_PENDING:  # [Note: communication streams]
         stats.settle(block=False)
-        if len(_pending_timings) > _MAX_PENDING:
+        if len(pending_timings) > MAX_PENDING:
             stats.settle()
 
 
-def _union_s(intervals: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+def union_s(intervals: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
     """Seconds covered by the union of (start, end) event intervals."""
     if not intervals:
         return 0.0
@@ -333,7 +264,7 @@ def _finish_on_comm_stream(
 
 
 @contextlib.contextmanager
-def _on_comm_stream(*tensors: torch.Tensor | None, group: dist.ProcessGroup | None = None):
+def on_comm_stream(*tensors: torch.Tensor | None, group: dist.ProcessGroup | None = None):
     """CUDA: run the enclosed launch on the group's comm stream, ordered after compute.
     Yields the launch's start event (CUDA, accounted) or None, for the Handle."""
     live = [t for t in tensors if t is not None]
@@ -355,14 +286,16 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group)
 
 
-def _launch(op: str, tag: str, nbytes: float, account: bool = True, group=None) -> None:
+def launch(op: str, tag: str, sent: float, account: bool = True, group=None) -> None:
+    """Count, trace and (under `delayed()`) hold back the launch of `op` sending `sent`
+    bytes: what every collective does first, the ones in all_to_all.py included."""
     if _delay_s:
         time.sleep(_delay_s)
     if account and _accounting:
-        stats.bytes_sent[op] += nbytes
+        stats.bytes_sent[op] += sent
         stats.calls[op] += 1
-        if comm_groups.crosses_groups(group):  # [Note: hybrid sharding]
-            stats.bytes_across += nbytes
+        if groups.crosses_groups(group):  # [Note: hybrid sharding] in groups.py
+            stats.bytes_across += sent
     record(f"launch:{op}", tag)
     if _members is not None:
         _members.append((op, tuple(dist.get_process_group_ranks(group or dist.group.WORLD))))
@@ -393,7 +326,7 @@ class AveragePlan:
 
 def average_plan(backend: str, dtype: torch.dtype, p: int) -> AveragePlan:
     """How a collective averages `dtype` over `p` ranks on `backend` ("nccl", "gloo", or
-    "p2p" for comm_p2p's send/recv collectives). [Note: averaging over ranks]"""
+    "p2p" for sendrecv.py's send/recv collectives). [Note: averaging over ranks]"""
     if p <= 1:
         return AveragePlan(ReduceOp.SUM)
     if dtype == torch.float16:
@@ -419,14 +352,14 @@ def _divide(t: torch.Tensor, n: float) -> Callable[[], None] | None:
 
 # Flat-tensor collectives: recent torch names them `*_single`; torch 2.6 and 2.7 have only
 # the older names, same arguments. Looked up per call, so a test can take one away.
-_NATIVE_NAMES = {
+NATIVE_NAMES = {
     "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
     "all_gather": ("all_gather_single", "all_gather_into_tensor"),
 }
 
 
-def _native(op: str) -> Callable[..., dist.Work | None]:
-    new, old = _NATIVE_NAMES[op]
+def native(op: str) -> Callable[..., dist.Work | None]:
+    new, old = NATIVE_NAMES[op]
     return getattr(dist, new, None) or getattr(dist, old)
 
 
@@ -446,8 +379,8 @@ def all_reduce(
     messages out of the training traffic figures."""
     p = world_size(group)
     plan = _plan(average, tensor, group)
-    _launch("all_reduce", tag, 2 * (p - 1) / p * _nbytes(tensor), account, group)
-    with _on_comm_stream(tensor, group=group) as start:
+    launch("all_reduce", tag, 2 * (p - 1) / p * nbytes(tensor), account, group)
+    with on_comm_stream(tensor, group=group) as start:
         if plan.pre != 1:
             tensor.div_(plan.pre)
         work = dist.all_reduce(tensor, op=plan.op, group=group, async_op=True)
@@ -462,16 +395,16 @@ def reduce_scatter(
     ranks]): it is a send buffer, not to be read afterwards."""
     p = world_size(group)
     _check_split(output, input, p, "reduce_scatter")
-    via_p2p = _p2p_enabled(group)
+    via_p2p = p2p_enabled(group)
     plan = _plan(average, input, group, via_p2p)
-    _launch("reduce_scatter", tag, (p - 1) / p * _nbytes(input), group=group)
-    with _on_comm_stream(output, input, group=group) as start:
+    launch("reduce_scatter", tag, (p - 1) / p * nbytes(input), group=group)
+    with on_comm_stream(output, input, group=group) as start:
         if plan.pre != 1:
             input.div_(plan.pre)
-        if via_p2p:  # comm_p2p.py, [Note: p2p collectives on Gloo]
-            work = comm_p2p.reduce_scatter(output, input, group)
+        if via_p2p:  # sendrecv.py, [Note: p2p collectives on Gloo]
+            work = sendrecv.reduce_scatter(output, input, group)
         else:
-            work = _native("reduce_scatter")(output, input, op=plan.op, group=group, async_op=True)
+            work = native("reduce_scatter")(output, input, op=plan.op, group=group, async_op=True)
     return Handle(work, _divide(output, plan.post), keep=(output, input), start=start, group=group)
 
 
@@ -479,26 +412,26 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str = "", grou
     """Every rank receives all ranks' `input` shards concatenated in rank order."""
     p = world_size(group)
     _check_split(input, output, p, "all_gather")
-    _launch("all_gather", tag, (p - 1) * _nbytes(input), group=group)
-    with _on_comm_stream(output, input, group=group) as start:
-        if _p2p_enabled(group):  # comm_p2p.py, [Note: p2p collectives on Gloo]
-            work = comm_p2p.all_gather(output, input, group)
+    launch("all_gather", tag, (p - 1) * nbytes(input), group=group)
+    with on_comm_stream(output, input, group=group) as start:
+        if p2p_enabled(group):  # sendrecv.py, [Note: p2p collectives on Gloo]
+            work = sendrecv.all_gather(output, input, group)
         else:
-            work = _native("all_gather")(output, input, group=group, async_op=True)
+            work = native("all_gather")(output, input, group=group, async_op=True)
     return Handle(work, keep=(output, input), start=start, group=group)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, tag: str = "", group=None) -> Handle:
-    _launch("broadcast", tag, _nbytes(tensor) if rank(group) == src else 0, group=group)
-    with _on_comm_stream(tensor, group=group) as start:
+    launch("broadcast", tag, nbytes(tensor) if rank(group) == src else 0, group=group)
+    with on_comm_stream(tensor, group=group) as start:
         work = dist.broadcast(tensor, src, group=group, async_op=True)
     return Handle(work, keep=(tensor,), start=start, group=group)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, *, tag: str = "", group=None) -> Handle:
     """Sum `tensor` into rank `dst`; other ranks' copies are left undefined."""
-    _launch("reduce", tag, _nbytes(tensor), group=group)
-    with _on_comm_stream(tensor, group=group) as start:
+    launch("reduce", tag, nbytes(tensor), group=group)
+    with on_comm_stream(tensor, group=group) as start:
         work = dist.reduce(tensor, dst, group=group, async_op=True)
     return Handle(work, keep=(tensor,), start=start, group=group)
 
@@ -512,18 +445,18 @@ def gather(
     group=None,
 ) -> Handle:
     """Rank `dst` receives every rank's `tensor` in `gather_list` (None elsewhere)."""
-    _launch("gather", tag, _nbytes(tensor) if rank(group) != dst else 0, group=group)
+    launch("gather", tag, nbytes(tensor) if rank(group) != dst else 0, group=group)
     return Handle(dist.gather(tensor, gather_list, dst, group=group, async_op=True))
 
 
 def barrier(*, tag: str = "", group=None) -> Handle:
-    _launch("barrier", tag, 0, group=group)
+    launch("barrier", tag, 0, group=group)
     return Handle(dist.barrier(group=group, async_op=True))
 
 
 def broadcast_object(objects: list, src: int = 0, group=None) -> None:
     """Replace `objects` in place with rank `src`'s list (picklable Python objects)."""
-    _launch("broadcast_object", "", 0, group=group)
+    launch("broadcast_object", "", 0, group=group)
     dist.broadcast_object_list(objects, src, group=group)
 
 
@@ -532,7 +465,7 @@ def wait_all(handles: Sequence[Handle]) -> None:
         h.wait()
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
@@ -541,3 +474,77 @@ def _check_split(shard: torch.Tensor, full: torch.Tensor, p: int, op: str) -> No
         raise ValueError(
             f"{op}: full tensor has {full.numel()} elements, expected {p} x {shard.numel()}"
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Test hooks, each a context manager that restores the previous setting on exit:
+# `tracing()` records (event, tag) tuples in issue order, `membership()` the ranks of
+# each launch's group, `delayed(s)` sleeps before each launch so tests can expose missing
+# synchronisation, `p2p(flag)` forces sendrecv.py's send/recv collectives on or off.
+# `launch` and the collectives above read this state; `record` is the engines' own way
+# into the trace.
+
+_trace: list[tuple[str, str]] | None = None
+_members: list[tuple[str, tuple[int, ...]]] | None = None
+_delay_s: float = 0.0
+_use_p2p: bool | None = None  # None: p2p on Gloo, native elsewhere; True/False force either
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[list[tuple[str, str]]]:
+    """Yield the list that launches and `record` events append to while the block runs."""
+    global _trace
+    saved, _trace = _trace, []
+    try:
+        yield _trace
+    finally:
+        _trace = saved
+
+
+@contextlib.contextmanager
+def membership() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
+    """Yield the list that every launch inside the block appends (op, global ranks of
+    its group) to: which ranks each collective ran between."""
+    global _members
+    saved, _members = _members, []
+    try:
+        yield _members
+    finally:
+        _members = saved
+
+
+@contextlib.contextmanager
+def delayed(seconds: float) -> Iterator[None]:
+    """Sleep `seconds` before every collective launched inside the block."""
+    global _delay_s
+    saved, _delay_s = _delay_s, seconds
+    try:
+        yield
+    finally:
+        _delay_s = saved
+
+
+@contextlib.contextmanager
+def p2p(enabled: bool | None) -> Iterator[None]:
+    """Force reduce_scatter / all_gather onto sendrecv.py's sends (True) or the backend's
+    native op (False) inside the block; None restores the choice by backend."""
+    global _use_p2p
+    saved, _use_p2p = _use_p2p, enabled
+    try:
+        yield
+    finally:
+        _use_p2p = saved
+
+
+def p2p_enabled(group) -> bool:
+    """Whether reduce_scatter / all_gather over `group` go through sendrecv.py's sends:
+    on Gloo unless `p2p()` says otherwise ([Note: p2p collectives on Gloo] in sendrecv.py)."""
+    if _use_p2p is not None:
+        return _use_p2p
+    return dist.get_backend(group) == "gloo"
+
+
+def record(event: str, tag: str = "") -> None:
+    """Append an event to the trace inside `tracing()`; free otherwise."""
+    if _trace is not None:
+        _trace.append((event, tag))

@@ -57,7 +57,7 @@ def claim(directories: dict[str, Path]) -> Owner:
         names = {Path(os.path.abspath(d)): key for key, d in directories.items()}
         try:
             for d in _outermost(list(directories.values())):
-                fds.append(_lock(d, names[d]))
+                fds.append(lock_directory(d, names[d]))
             result = [None]
         except ConfigError as e:
             for fd in fds:
@@ -83,7 +83,10 @@ def _outermost(directories: list[Path]) -> list[Path]:
     ]
 
 
-def _lock(directory: Path, key: str) -> int:
+def lock_directory(directory: Path, key: str) -> int:
+    """Take `directory`'s lock ([Note: run directory lock]) and write this process into
+    it; return the open descriptor that holds it. `key` names the directory's option in
+    the one line that refuses a held or unwritable directory."""
     path = directory / LOCK
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,68 @@
+"""Communication: every collective the trainer launches, and the groups it launches them in.
+
+    from trainer import comm
+    comm.reduce_scatter(out, flat, average=True, group=mesh.shard).wait()
+
+- collectives.py: the collectives, their `Handle`, byte and time accounting (`comm.stats`),
+  the CUDA comm streams and the test hooks (`tracing()`, `delayed()`, `p2p()`). Start here.
+- sendrecv.py: reduce-scatter and all-gather from point-to-point sends, the Gloo fast path.
+- groups.py: shard and replica groups for hybrid sharding ([Note: hybrid sharding]).
+- all_to_all.py: scatter and the all-to-alls, which no mode uses (demo, benchmark).
+
+This package re-exports collectives.py's public names, so `comm.all_gather` is the
+function the engines call.
+"""
+
+from trainer.comm import groups
+from trainer.comm.collectives import (
+    AveragePlan,
+    CommStats,
+    Handle,
+    all_gather,
+    all_reduce,
+    average_plan,
+    barrier,
+    broadcast,
+    broadcast_object,
+    delayed,
+    gather,
+    membership,
+    p2p,
+    p2p_enabled,
+    rank,
+    record,
+    reduce,
+    reduce_scatter,
+    stats,
+    tracing,
+    unaccounted,
+    wait_all,
+    world_size,
+)
+
+__all__ = [
+    "AveragePlan",
+    "CommStats",
+    "Handle",
+    "all_gather",
+    "all_reduce",
+    "average_plan",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "delayed",
+    "gather",
+    "groups",
+    "membership",
+    "p2p",
+    "p2p_enabled",
+    "rank",
+    "record",
+    "reduce",
+    "reduce_scatter",
+    "stats",
+    "tracing",
+    "unaccounted",
+    "wait_all",
+    "world_size",
+]
