@@ -338,19 +338,19 @@ class MemoryMonitor:
         if k is None:
             return None
         units = self.engine.working_set_bytes()
-        p, s = self.engine.world_size, self.engine.mesh.size
+        p, s = self.engine.world_size, self.engine.mesh.shard_size
         return expected(
             self.engine.name, self.numel, p, self.param_bytes, self.grad_bytes, k, units, s
         )
 
     def expected_traffic(self) -> float | None:
-        p, s = self.engine.world_size, self.engine.mesh.size
+        p, s = self.engine.world_size, self.engine.mesh.shard_size
         return expected_traffic(
             self.engine.name, self.numel, self.param_bytes, p, self.grad_bytes, s
         )
 
     def expected_traffic_across(self) -> float:
-        p, s = self.engine.world_size, self.engine.mesh.size
+        p, s = self.engine.world_size, self.engine.mesh.shard_size
         return expected_traffic_across(self.engine.name, self.numel, self.grad_bytes, p, s)
 
     def peak(self) -> int | None:

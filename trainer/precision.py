@@ -1,6 +1,5 @@
 """Mixed precision: which dtype computes and which one communicates gradients
-(`Precision`, [Note: master weights] beside it), the casts in and out of the module, and
-the sum of no_sync micro-batches' gradients in the reduction dtype (`GradAccumulator`).
+(`Precision`, [Note: master weights] beside it) and the casts in and out of the module.
 
     precision = Precision.of("bf16", reduce_dtype="fp32")
     engine = build_engine(model, mode, optimizer, precision="bf16", reduce_dtype="fp32")
@@ -80,42 +79,3 @@ def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> None:
     for t in list(module.parameters()) + list(module.buffers()):
         if t.is_floating_point() and t.dtype != dtype:
             t.data = t.data.to(dtype)
-
-
-class GradAccumulator:
-    """Gradients summed across no_sync micro-batches in the reduction dtype, when the
-    parameters compute in a lower one (as FSDP2 does): k bf16 gradients added in bf16
-    would lose bits at every addition. Used by zero and fsdp, which keep the full
-    gradients of a micro-batch on the module's parameters (ddp adds them into its
-    reduce-dtype buckets directly)."""
-
-    def __init__(self) -> None:
-        self._sums: dict[int, torch.Tensor] = {}
-
-    def add(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
-        """Move `p.grad` into the running sum (nothing to do when it is already `dtype`:
-        autograd then accumulates in `p.grad` itself)."""
-        if p.grad is None or p.grad.dtype == dtype:
-            return
-        total = self._sums.get(id(p))
-        if total is None:
-            self._sums[id(p)] = p.grad.to(dtype)
-        else:
-            total.add_(p.grad)
-        p.grad = None
-
-    @torch.no_grad()
-    def take(self, p: torch.nn.Parameter) -> torch.Tensor | None:
-        """`p`'s whole gradient (the running sum plus `p.grad`), dropping both; None when
-        there is none."""
-        total = self._sums.pop(id(p), None)
-        grad, p.grad = p.grad, None
-        if total is None:
-            return grad
-        return total if grad is None else total.add_(grad)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self._sums.values())
-
-    def clear(self) -> None:
-        self._sums.clear()

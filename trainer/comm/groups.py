@@ -1,6 +1,6 @@
 """The process groups the engines communicate over, each built once per process: the
 (replicate, shard) mesh of hybrid sharding ([Note: hybrid sharding], below) and a second
-group per group for fsdp's AllGathers (`second_group`).
+group per group for fsdp's AllGathers (`gather_group`).
 
 Groups come from `dist.new_subgroups_by_enumeration`, which every rank calls with the
 same lists, so every rank must build a mesh at the same point (engine construction).
@@ -39,8 +39,8 @@ class Mesh:
 
     shard: dist.ProcessGroup | None  # the S ranks sharding with this one (None: all ranks)
     replicate: dist.ProcessGroup | None  # the R ranks holding this rank's slice (None: R = 1)
-    size: int  # S: ranks per shard group
-    rank: int  # this rank's position in its shard group: the slice it owns
+    shard_size: int  # S: ranks per shard group
+    shard_rank: int  # this rank's position in its shard group: the slice it owns
     replicas: int  # R = P / S
 
 
@@ -82,7 +82,7 @@ def mesh(shard_group_size: int | None) -> Mesh:
     return _meshes[key]
 
 
-def second_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+def gather_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """A second group over the ranks of `group` (None: all ranks), with the same backend,
     made once per group: its collectives are matched among themselves only, whatever
     order they interleave with `group`'s on each rank (fsdp's AllGathers, [Note: one

@@ -36,10 +36,10 @@ from trainer.materialize import Source, swap_into
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
 from trainer.parallel.pieces import ShardGroup
 from trainer.parallel.schedule import Schedule
-from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
+from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import Arrivals, UsedFlags
-from trainer.precision import GradAccumulator, Precision
+from trainer.precision import Precision
 from trainer.scaling import LossScaler
 
 
@@ -221,9 +221,9 @@ class FSDPEngine(Engine):
         # AllGathers on a group of their own: a rank that skips a unit reduces it later in
         # backward than the others, so AllGathers and ReduceScatters interleave
         # differently across ranks, while each kind alone keeps one order.
-        self._gather_group = comm_groups.second_group(self.mesh.shard)
+        self._gather_group = comm_groups.gather_group(self.mesh.shard)
         self._reducer = Reducer(self.mesh, self._used)
-        self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
+        self._local_grads = LocalGrads()  # full gradients until reduced; no_sync's sums
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
@@ -308,7 +308,7 @@ class FSDPEngine(Engine):
         """`u` runs again in this forward after it was freed. One rank alone can gather it
         again; with peers, that AllGather would have no partner on a rank that calls `u`
         fewer times ([Note: freeing after forward])."""
-        if self.mesh.size == 1:
+        if self.mesh.shard_size == 1:
             self._unshard(u)
             return
         calls = 1 + sum(1 for v in self._calls if v is u)
@@ -431,7 +431,7 @@ class FSDPEngine(Engine):
             # lower one); the next synced backward reduces the sum.
             for buf in u.flat_buffers:
                 for p in buf.params:
-                    self._sums.add(p, buf.reduce_dtype)
+                    self._local_grads.add(p, buf.reduce_dtype)
         if u is not self.root:
             self._schedule.advance()
 
@@ -447,7 +447,7 @@ class FSDPEngine(Engine):
         """ReduceScatter (average) `u`'s gradients into its slices' gradients."""
         for buf in u.flat_buffers:
             for p in buf.params:
-                buf.write_grad(p, self._sums.take(p))
+                buf.write_grad(p, self._local_grads.take(p))
             self._reducer.launch(buf)
         # Earlier ReduceScatters ran while this unit computed: free their inputs. Safe to
         # wait for: every rank issued them before anything this rank issued since
@@ -513,7 +513,7 @@ class FSDPEngine(Engine):
                 buf.grad_shard = None
             for p in u.params:  # full gradients kept by no_sync
                 p.grad = None
-        self._sums.clear()
+        self._local_grads.clear()
         self._used.clear()
 
     # -- state -----------------------------------------------------------------------------
@@ -527,7 +527,7 @@ class FSDPEngine(Engine):
             + [p for p in self.module.parameters() if not p.requires_grad],
             "grads": [b.grad_shard for b in bufs if b.grad_shard is not None]
             + module_grads
-            + self._sums.tensors(),
+            + self._local_grads.tensors(),
             "optimizer": self.optimizer_state(),
             "comm": [b.grad_input.rows for b in bufs if b.grad_input is not None]
             + [b.reduced for b in bufs if b.reduced is not None],

@@ -45,7 +45,7 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
     named = dict(engine.module.named_parameters())
     canonical: dict[int, str] = {}
     groups = []
-    size = engine.mesh.size  # ranks sharing one copy: rank r holds slice r % size
+    size = engine.mesh.shard_size  # ranks sharing one copy: rank r holds slice r % size
     for g in engine.shard_groups():
         canonical.update({id(named[n]): n for n in g.names})
         s = g.layout.padded_numel // size
@@ -86,7 +86,7 @@ def sharded_state(engine: Engine) -> dict[str, Any]:
     groups, opt = engine.shard_groups(), engine.optimizer
     params, optim = [], []
     for g in groups:
-        held = engine.rank < engine.mesh.size if g.sharded else engine.rank == 0
+        held = engine.rank < engine.mesh.shard_size if g.sharded else engine.rank == 0
         params.append(g.local.detach().reshape(-1).cpu().clone() if held else None)
         optim.append(_optimizer_entry(opt.state, g) if held else None)
     layout = shard_layout(engine)

@@ -31,9 +31,9 @@ from trainer.flat import bucketize
 from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
 from trainer.parallel.pieces import ShardGroup
-from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
+from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.used import UsedFlags
-from trainer.precision import GradAccumulator, Precision
+from trainer.precision import Precision
 from trainer.scaling import LossScaler
 
 # [Note: bounded buckets]
@@ -96,7 +96,7 @@ class ZeroEngine(Engine):
             self._cast_module()
         self._queue = BucketQueue(self.buckets, names, self._launch, self.name)
         self._reducer = Reducer(self.mesh, self._used)
-        self._sums = GradAccumulator()  # no_sync gradients of low-precision parameters
+        self._local_grads = LocalGrads()  # full gradients until reduced; no_sync's sums
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook(b))
@@ -110,9 +110,9 @@ class ZeroEngine(Engine):
             if not self._sync:
                 # no_sync: the full gradient accumulates in p.grad (autograd), or in the
                 # reduce dtype when p computes in a lower one
-                self._sums.add(p, bucket.reduce_dtype)
+                self._local_grads.add(p, bucket.reduce_dtype)
                 return
-            bucket.write_grad(p, self._sums.take(p))  # frees autograd's full-size gradient
+            bucket.write_grad(p, self._local_grads.take(p))  # frees autograd's full-size gradient
             self._queue.ready(bucket, p)
 
         return on_grad_ready
@@ -121,7 +121,7 @@ class ZeroEngine(Engine):
         for p in b.params:
             if not self._queue.has_gradient(p):
                 # No gradient in this backward: reduce what no_sync accumulated, or zero.
-                b.write_grad(p, self._sums.take(p))
+                b.write_grad(p, self._local_grads.take(p))
         self._reducer.launch(b)
         self._reducer.release_beyond(BUCKETS_IN_FLIGHT)  # [Note: bounded buckets]
 
@@ -187,7 +187,7 @@ class ZeroEngine(Engine):
             b.grad_shard = None
         for p in self.module.parameters():
             p.grad = None  # left by a no_sync backward that was never synced
-        self._sums.clear()
+        self._local_grads.clear()
         self._used.clear()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -204,7 +204,7 @@ class ZeroEngine(Engine):
             "params": [b.full for b in self.buckets] + frozen,
             # fp32 masters when mixed; otherwise views of `full`, counted there already
             "master": [b.master for b in self.buckets] + self.frozen_masters(),
-            "grads": grad_shards + inputs + local_grads + self._sums.tensors(),
+            "grads": grad_shards + inputs + local_grads + self._local_grads.tensors(),
             "optimizer": self.optimizer_state(),
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
         }

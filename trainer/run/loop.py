@@ -115,7 +115,7 @@ class Run:
     # the learning rate the last optimizer step taken used (a device tensor when fp16
     # decides on the device whether a step is taken)
     lr: float | torch.Tensor
-    guard: Guard  # non-finite losses and stop requests ([Note: checking the loss ...])
+    guard: Guard  # non-finite losses and stop requests (guard.py)
     skipped: int = 0  # steps skipped for a non-finite loss
     tokens_per_step: int = 0  # global tokens per step of a language model (0: not one)
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
