@@ -51,6 +51,7 @@ class WeightFiles:
         weight_map = _weight_map(self.directory)
         files = sorted(set(weight_map.values())) if weight_map else [SAFETENSORS]
         self._handles = {f: safe_open(str(self.directory / f), framework="pt") for f in files}
+        self.elements_read = 0  # from the files so far: a slice's covering rows, no more
         # key -> its file: the index's map, else every key of the one file.
         self._where = weight_map or {k: SAFETENSORS for k in self._handles[SAFETENSORS].keys()}
         for key, f in self._where.items():
@@ -73,11 +74,13 @@ class WeightFiles:
         if not 0 <= start <= stop <= numel:
             raise ValueError(f"{key}: range [{start}, {stop}) outside its {numel} elements")
         if not shape:  # a 0-dim tensor: one element
+            self.elements_read += 1
             return self._handles[self._where[key]].get_tensor(key).reshape(-1)[start:stop]
         row = math.prod(shape[1:])
         if row == 0 or start == stop:
             return sl[0:0].reshape(-1)
         first, end = start // row, -(-stop // row)
+        self.elements_read += (end - first) * row
         return sl[first:end].reshape(-1)[start - first * row : stop - first * row]
 
     def _slice(self, key: str) -> Any:
