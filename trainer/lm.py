@@ -20,8 +20,8 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.materialize import building_on_meta
+from trainer.models import GPT, GPT_TYPE
 
-GPT_TYPE = "shardtrain_gpt"
 WEIGHTS = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -185,8 +185,6 @@ def build_from_config(directory: Path) -> nn.Module:
     """A freshly initialised model of `directory/config.json` (ours or Hugging Face's)."""
     config = json.loads((Path(directory) / "config.json").read_text())
     if config.get("model_type") == GPT_TYPE:
-        from trainer.models import GPT
-
         return GPT(**{k: v for k, v in config.items() if k != "model_type"})
     from transformers import AutoConfig, AutoModelForCausalLM
 

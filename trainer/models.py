@@ -25,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.errors import ConfigError
 
+GPT_TYPE = "shardtrain_gpt"  # config.json's model_type of our GPT (trainer/lm.py reads it)
+
 # --------------------------------------------------------------------------------------
 # Activation checkpointing
 
@@ -237,8 +239,6 @@ class GPT(nn.Module):
 
     def model_config(self) -> dict:
         """What trainer.lm.build_from_config rebuilds this model from (config.json)."""
-        from trainer.lm import GPT_TYPE
-
         return {"model_type": GPT_TYPE, **self._sizes}
 
     def init_module(self, module: nn.Module) -> None:
