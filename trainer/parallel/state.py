@@ -3,7 +3,7 @@ groups and their pieces), that state as CPU copies, and loading it back.
 
 [Note: shard layout] A group is one flat buffer of the mode (a zero bucket, an fsdp
 unit's buffer; in ddp one parameter) with its parameters' names, shapes and offsets and
-each rank's range of it; checkpoint.py re-cuts groups of one layout into another
+each rank's range of it; checkpoint/recutting.py re-cuts groups of one layout into another
 ([Note: re-cutting shards]). Optimizer state is kept per piece ([Note: per-parameter
 optimizer tensors] in pieces.py): per-element tensors laid out like the group, step
 counters by parameter name.
