@@ -77,3 +77,30 @@ def test_bench_tokens_smoke(tmp_path: Path) -> None:
         assert rows["floor"]["ratio_to_floor"] == 1.0
         assert rows["fsdp_compiled"]["ratio_to_eager"] > 0
     assert "| 2 | `fsdp_compiled` |" in md.read_text()
+
+
+def test_build_memory_smoke(tmp_path: Path) -> None:
+    """scripts/build_memory.py on one rank (the launches are most of its time) on a tiny
+    GPT and the HF GPT-2 directory it writes: fsdp built on meta, one step each; the rank
+    reports a build peak, times and the formula, and the loss."""
+    out, md, hf = tmp_path / "build.json", tmp_path / "build.md", tmp_path / "gpt2"
+    cmd = [sys.executable, str(ROOT / "scripts" / "build_memory.py"), "--nproc", "1"]
+    cmd += ["--modes", "fsdp", "--builds", "meta", "--steps", "1", "--pretrained", str(hf)]
+    cmd += ["--margin-gib", "0", "--out", str(out), "--md", str(md)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    result = json.loads(out.read_text())
+    assert (hf / "config.json").is_file() and result["pretrained_bytes"] > 0
+    rows = {r["model"]: r for r in result["rows"]}
+    assert set(rows) == {"gpt", "hf pretrained"}
+    for name, r in rows.items():
+        assert r["mode"] == "fsdp" and r["build"] == "meta", name
+        assert len(r["peak_bytes"]) == len(r["anon_peak_bytes"]) == 1, name
+        assert all(v > 0 for v in r["peak_bytes"]), name
+        assert r["formula_bytes"] > 0 and r["build_run_s"] > 0, name
+        assert r["build_engine_s"] <= r["build_run_s"] <= r["to_first_step_s"], name
+        assert list(r["loss"]) == ["1"] and r["loss"]["1"] > 0, name
+        assert f"train.py model={'gpt' if name == 'gpt' else 'hf'}" in r["command"], name
+    assert "| hf pretrained | fsdp | meta |" in md.read_text()

@@ -219,3 +219,64 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
         per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (b + r)
     root = per_unit.pop(0, 0)
     return extra + root + sum(sorted(per_unit.values(), reverse=True)[:2])
+
+
+# [Note: the build peak]
+# What a rank holds at its high point between the imports and the first step, counted
+# from what the engines allocate ([Note: building on meta] in parallel/__init__.py). The
+# model is fp32 as built; M = its parameters' and buffers' bytes (4Ψ + buffers).
+#
+#   ordinary build (train.meta_build=false): the whole model, M, on every rank, and
+#     beside it the largest of
+#       - the engine's broadcast of rank 0's values (P > 1): every parameter and buffer
+#         packed into one flat tensor per dtype, M more (engine.broadcast_tensors)
+#       - ddp: its gradient buckets (Ψ in the reduce dtype, + the used-flags), and the
+#         fp32 masters (4Ψ) in mixed precision
+#       - zero: the full flat buffers, every bucket's, built while the parameters still
+#         hold their own storages (4Ψ; in mixed precision + their cast, Ψ·b, and the
+#         fp32 masters of the slices, 4Ψ/S)
+#       - fsdp: one unit at a time, its full buffer (fp32) and its slice
+#   meta build (train.meta_build=true):
+#     ddp, zero: `materialize` gives the model full parameters, M, then as above (the
+#       broadcast, the buckets): the same figure as the ordinary build
+#     fsdp: this rank's fp32 slices (the padded 4Ψ/P) and the buffers, and beside them
+#       the larger of: one module's full parameters while its init runs (SeededInit) and
+#       check_fit's forward, which gathers the root and two more units (one prefetched)
+#       in the compute dtype
+def build_peak(
+    p: Plan,
+    precision: Precision,
+    world_size: int,
+    buffer_bytes: int = 0,
+    largest_module_bytes: int = 0,
+) -> dict[str, int | None]:
+    """{"ordinary": bytes, "meta": bytes} a rank holds at the peak of building this plan
+    ([Note: the build peak]); `largest_module_bytes`: the fp32 parameters one module
+    owns, at most (0 for a bare count). fsdp's meta figure needs the units: None for a
+    bare count."""
+    b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    model = 4 * p.psi + buffer_bytes
+    broadcast = model if world_size > 1 else 0
+    if p.mode == "ddp":
+        buckets = sum((f.layout.padded_numel + f.extra) * r for f in p.flats)
+        full = model + max(broadcast, buckets + (4 * p.psi if precision.mixed else 0))
+        return {"ordinary": full, "meta": full}
+    if p.mode == "zero":
+        flat = sum(f.layout.padded_numel for f in p.flats)
+        cast = flat * b + flat // p.shard * 4 if precision.mixed else 0  # + fp32 masters
+        full = model + max(broadcast, flat * 4 + cast)
+        return {"ordinary": full, "meta": full}
+    per_unit: dict[int, int] = {}
+    shards = 0
+    for f in p.flats:
+        per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel
+        shards += f.layout.shard_size(p.shard) * 4
+    largest = max(per_unit.values())
+    unit_at_a_time = largest * 4 + largest // p.shard * 4
+    root = per_unit.pop(0, 0)
+    gathered = (root + sum(sorted(per_unit.values(), reverse=True)[:2])) * b
+    bare = any(f.unit < 0 for f in p.flats)  # a bare count: its units are unknown
+    return {
+        "ordinary": model + max(broadcast, unit_at_a_time),
+        "meta": None if bare else shards + buffer_bytes + max(largest_module_bytes, gathered),
+    }

@@ -17,10 +17,10 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
     the model has the option): memory per rank, bytes sent per rank and step, seconds."""
     figs = list(result.values())
     full = "activation_bytes" in figs[0]
-    mem_name, mem = _unit(max(f.get("total_bytes", f["model_state_bytes_per_rank"]) for f in figs))
+    mem_name, mem = _unit(max(_largest(f) for f in figs))
     sent = [_sent(f) for f in figs]
     net_name, net = _unit(max(max(s) for s in sent))
-    cols = ["mode", "params", "master", "grads", "optim", "state"]
+    cols = ["mode", "params", "master", "grads", "optim", "state", "build", "meta build"]
     if full:
         cols += ["working", "activ.", "total"]
     cols += [f"fits {figs[0]['device_bytes'] / 1e9:g} GB"]
@@ -33,12 +33,14 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
     for (mode, f), (inside, across) in zip(result.items(), sent, strict=True):
         state = [f["model_state_by_kind"][k] for k in ("params", "master", "grads", "optimizer")]
         state.append(f["model_state_bytes_per_rank"])
+        # to the first step ([Note: the build peak] in layout.py)
+        state += [f["build_peak_bytes"]["ordinary"], f["build_peak_bytes"]["meta"]]
         variants = [(_name(mode, f), f)]
         if "alternative" in f:
             on = f["alternative"]["activation_checkpointing"]
             variants.append((f"{mode} {'+' if on else '-'}ckpt", f["alternative"]))
         for name, v in variants:
-            row = [name] + [f"{n / mem:.2f}" for n in state]
+            row = [name] + ["-" if n is None else f"{n / mem:.2f}" for n in state]
             if full:
                 row += [f"{n / mem:.2f}" for n in (f["working_set_bytes"], v["activation_bytes"])]
                 row.append(f"{v['total_bytes'] / mem:.2f}")
@@ -60,6 +62,12 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
     if any("alternative" in f for f in figs):
         lines.append("+ckpt / -ckpt: the same with model.activation_checkpointing switched")
     return "\n".join(lines)
+
+
+def _largest(f: dict[str, Any]) -> float:
+    """The largest memory figure of a mode, which sets the table's unit."""
+    build = [v for v in f["build_peak_bytes"].values() if v is not None]
+    return max(f.get("total_bytes", f["model_state_bytes_per_rank"]), *build)
 
 
 def _sent(f: dict[str, Any]) -> tuple[float, float]:

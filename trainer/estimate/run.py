@@ -52,12 +52,14 @@ def estimate(
             raise ConfigError(f"--params {params!r} must be a whole number of parameters >= 1")
         model = passes = None
         buffers = 0
+        built = (0, 0)  # buffer bytes and the largest module's, as built (fp32)
         # A bare count has no tensors: state per element only (no AdamW `step` counters).
         opt = layout.OptimizerState(opt.per_element, 0)
     else:
         model = build_meta(first)
         passes = _passes(first, micro, alternative)
         buffers = _buffer_bytes(model, Precision.of(first.precision))
+        built = _built_bytes(model)
     out = {}
     for mode, cfg in cfgs.items():
         precision = Precision.of(cfg.precision, cfg.mode.get("reduce_dtype", "fp32"))
@@ -78,6 +80,8 @@ def estimate(
         }
         if mode != "ddp":
             fig["shard_group_size"] = s
+        # [Note: the build peak] in layout.py: to the first step, ordinary and meta build
+        fig["build_peak_bytes"] = layout.build_peak(plan, precision, world, *built)
         if passes is None:  # model states only
             fig["fits"] = fig["model_state_bytes_per_rank"] <= device_bytes
         else:
@@ -200,6 +204,15 @@ def _passes(
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"the model does not take the data's samples: {first}") from None
     return out
+
+
+def _built_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of the buffers as built, and of the parameters the largest module owns."""
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    own = [
+        sum(p.numel() * 4 for p in m._parameters.values() if p is not None) for m in model.modules()
+    ]
+    return buffers, max(own, default=0)
 
 
 def _buffer_bytes(model: torch.nn.Module, precision: Precision) -> int:
