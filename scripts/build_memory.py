@@ -11,7 +11,7 @@ Each case is one `train.py` run under torchrun (as scripts/bench.py starts its r
 with the overrides the table lists: data=tokens (synthetic), `--batch-per-rank` windows
 of `--block-size` tokens per rank, AdamW, no evaluation, no checkpoint. Nothing of the
 trainer is changed: each rank runs this file, which imports what train.py imports, reads
-its memory, wraps four functions of trainer.loop (build_run, build_engine, train_step,
+its memory, wraps four functions of trainer.run.loop (build_run, build_engine, train_step,
 log_metrics) to note times, memory and losses, and runs train.py as `python train.py`
 would. With `--steps 0` every rank stops at the first step (after a barrier); otherwise
 it trains that many steps. Checkpoints are not written (`trainer.checkpoint.maybe_save`
@@ -145,7 +145,7 @@ class AnonPeak(threading.Thread):
 
 
 # ---------------------------------------------------------------------------------------
-# One rank: train.py with four functions of trainer.loop wrapped
+# One rank: train.py with four functions of trainer.run.loop wrapped
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -156,7 +156,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import trainer.checkpoint
-    from trainer import loop
+    from trainer.run import loop
 
     if any(o == "model=hf" for o in args.overrides):  # its code, before the baseline
         import transformers.models.gpt2.modeling_gpt2  # noqa: F401
@@ -393,7 +393,7 @@ def run_case(args: argparse.Namespace, case: dict, fig: dict, tmp: Path) -> dict
 
 def run(args: argparse.Namespace) -> dict:
     import torch
-    from bench import _without_nproc
+    from bench import without_nproc
 
     result: dict = {
         "config": {
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> dict:
         if written_needs > mem_available() - args.margin_gib * GiB:
             raise SystemExit(f"writing {args.pretrained} needs about {written_needs / GiB:.1f} GiB")
     if args.pretrained:  # in a process of its own: its freed heap is not given back
-        cmd = [sys.executable, __file__, "--write-only", *_without_nproc(None)]
+        cmd = [sys.executable, __file__, "--write-only", *without_nproc(None)]
         written = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         result["pretrained_written_s"] = json.loads(written.strip().splitlines()[-1])
         result["pretrained_bytes"] = sum(

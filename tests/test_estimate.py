@@ -148,10 +148,10 @@ def _build_heap(cfg, dataset, meta: bool) -> int:
     it (train.meta_build): the build peak of [Note: the build peak] in layout.py."""
     from trainer import heap
     from trainer.config import engine_options
-    from trainer.fit import check_fit
     from trainer.materialize import SeededInit, empty_weights
     from trainer.optim import param_options
     from trainer.parallel import build_engine
+    from trainer.run.fit import check_fit
 
     gc.collect()
     with heap.HeapPeak() as h:

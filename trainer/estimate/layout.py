@@ -27,7 +27,12 @@ from trainer.errors import ConfigError
 from trainer.flat import FlatLayout, bucketize
 from trainer.memory import bytes_per_element, optimizer_bytes_per_param
 from trainer.parallel import ENGINES, pieces
-from trainer.parallel.engine import OptimizerFactory, ParamGroupFn, split_by_options
+from trainer.parallel.engine import (
+    BROADCAST_PACK_BYTES,
+    OptimizerFactory,
+    ParamGroupFn,
+    split_by_options,
+)
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
 from trainer.parallel.zero import BUCKETS_IN_FLIGHT
 from trainer.precision import Precision
@@ -228,17 +233,17 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
 #
 #   ordinary build (train.meta_build=false): the whole model, M, on every rank, and
 #     beside it the largest of
-#       - the engine's broadcast of rank 0's values (P > 1): every parameter and buffer
-#         packed into one flat tensor per dtype, M more (engine.broadcast_tensors)
+#       - the broadcast of rank 0's values (P > 1): parameters and buffers packed into
+#         flat tensors of at most BROADCAST_PACK_BYTES (engine.broadcast_tensors)
 #       - ddp: its gradient buckets (Ψ in the reduce dtype, + the used-flags), and the
 #         fp32 masters (4Ψ) in mixed precision
-#       - zero: the full flat buffers, every bucket's, built while the parameters still
-#         hold their own storages (4Ψ; in mixed precision + their cast, Ψ·b, and the
-#         fp32 masters of the slices, 4Ψ/S)
+#       - zero: one bucket's full flat buffer, built while its parameters still hold
+#         their own storages (they become its views bucket by bucket); in mixed
+#         precision + its cast and the fp32 master of its slice
 #       - fsdp: one unit at a time, its full buffer (fp32) and its slice
 #   meta build (train.meta_build=true):
-#     ddp, zero: `materialize` gives the model full parameters, M, then as above (the
-#       broadcast, the buckets): the same figure as the ordinary build
+#     ddp, zero: `materialize` gives the model full parameters, M, then as above, but
+#       only the buffers are broadcast: every rank drew or read the same values
 #     fsdp: this rank's fp32 slices (the padded 4Ψ/P) and the buffers, and beside them
 #       the larger of: one module's full parameters while its init runs (SeededInit) and
 #       check_fit's forward, which gathers the root and two more units (one prefetched)
@@ -256,16 +261,19 @@ def build_peak(
     bare count."""
     b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     model = 4 * p.psi + buffer_bytes
-    broadcast = model if world_size > 1 else 0
-    if p.mode == "ddp":
-        buckets = sum((f.layout.padded_numel + f.extra) * r for f in p.flats)
-        full = model + max(broadcast, buckets + (4 * p.psi if precision.mixed else 0))
-        return {"ordinary": full, "meta": full}
-    if p.mode == "zero":
-        flat = sum(f.layout.padded_numel for f in p.flats)
-        cast = flat * b + flat // p.shard * 4 if precision.mixed else 0  # + fp32 masters
-        full = model + max(broadcast, flat * 4 + cast)
-        return {"ordinary": full, "meta": full}
+    broadcast = min(model, BROADCAST_PACK_BYTES) if world_size > 1 else 0
+    buffers_broadcast = min(buffer_bytes, BROADCAST_PACK_BYTES) if world_size > 1 else 0
+    if p.mode in ("ddp", "zero"):
+        if p.mode == "ddp":  # its gradient buckets, kept; fp32 masters in mixed precision
+            beside = sum((f.layout.padded_numel + f.extra) * r for f in p.flats)
+            beside += 4 * p.psi if precision.mixed else 0
+        else:  # one bucket at a time; in mixed precision its cast and its fp32 master
+            n = max(f.layout.padded_numel for f in p.flats)
+            beside = n * 4 + (n * b + n // p.shard * 4 if precision.mixed else 0)
+        return {
+            "ordinary": model + max(broadcast, beside),
+            "meta": model + max(buffers_broadcast, beside),
+        }
     per_unit: dict[int, int] = {}
     shards = 0
     for f in p.flats:

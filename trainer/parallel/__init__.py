@@ -11,7 +11,7 @@ from trainer import comm
 from trainer.errors import ConfigError
 from trainer.materialize import Request, Source, has_meta, materialize, swap_into
 from trainer.parallel.ddp import DDPEngine
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, broadcast_tensors
 from trainer.parallel.fsdp import FSDPEngine
 from trainer.parallel.zero import ZeroEngine
 from trainer.precision import Precision
@@ -76,11 +76,16 @@ def build_engine(
             options.update(source=source, device=device)
         else:  # ddp and zero keep the full parameters anyway
             materialize(model, source, device)
+        # Every rank drew or read the same values; what the constructor made for real
+        # (buffers) follows rank 0, as in an ordinary build.
+        broadcast_tensors(list(model.buffers()))
     elif source is not None:
         raise ConfigError(
             "source= gives values to a model built on the meta device; this model's "
             "parameters already have values (build it under materialize.empty_weights())"
         )
+    else:  # ranks may have built the model with different seeds: rank 0's values win
+        broadcast_tensors(list(model.parameters()) + list(model.buffers()))
     if fp16:
         device = next((p.device for p in model.parameters() if not p.is_meta), device)
         optimizer = fused_for_scaling(optimizer, device or torch.device("cpu"))

@@ -101,10 +101,6 @@ class Engine(ABC):
         # where the model's state lives (given for a model whose parameters are on meta)
         self.device = device or next((p.device for p in module.parameters()), torch.device("cpu"))
         self.scaler = (scaler or LossScaler(enabled=False)).to(self.device)
-        # Ranks may have built the model with different seeds: rank 0's values win. On
-        # meta there are no values yet: every rank gets the same ones from its source.
-        tensors = list(module.parameters()) + list(module.buffers())
-        broadcast_tensors([t for t in tensors if not t.is_meta])
         self._module_buffers = [b for b in module.buffers()]
         self._buffers_changed = False  # a training forward ran since the last broadcast
         self._sync = True
@@ -375,19 +371,42 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
+# What one packed broadcast copies at most: many small tensors go in one collective, while
+# a whole model packed at once would hold a second copy of it while it starts.
+BROADCAST_PACK_BYTES = 64 * 2**20
+
+
 def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Broadcast many tensors with one collective per dtype (packed into a flat buffer)."""
+    """Broadcast many tensors, packed into flat buffers of at most BROADCAST_PACK_BYTES per
+    dtype (one collective each); a tensor larger than that is sent in place, alone."""
     if comm.world_size() == 1:
         return
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        comm.broadcast(flat, src, tag="state").wait()
-        offset = 0
-        with torch.no_grad():
-            for t in group:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+        packs: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if packs[-1] and size + nbytes > BROADCAST_PACK_BYTES:
+                packs.append([])
+                size = 0
+            packs[-1].append(t)
+            size += nbytes
+        for pack in packs:
+            _broadcast_pack(pack, src)
+
+
+@torch.no_grad()
+def _broadcast_pack(pack: list[torch.Tensor], src: int) -> None:
+    if len(pack) == 1 and pack[0].is_contiguous():  # no copy needed
+        comm.broadcast(pack[0].detach(), src, tag="state").wait()
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in pack])
+    comm.broadcast(flat, src, tag="state").wait()
+    offset = 0
+    for t in pack:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

@@ -76,21 +76,17 @@ class ZeroEngine(Engine):
             for opts, pairs in split_by_options(named, param_options)
             for ps in bucketize([p for _, p in pairs], int(bucket_mb * 2**20))
         ]
-        self.buckets = [
-            ShardedBuffer(
-                f"bucket{i}",
-                [(names[id(p)], p) for p in ps],
-                [self._used.index[id(p)] for p in ps],
-                opts,
-                self.mesh,
-                self.precision,
-                keep_full=True,
-            )
-            for i, (opts, ps) in enumerate(grouped)
-        ]
-        for b in self.buckets:  # the AllGather after each step writes the parameters
+        self.buckets = []
+        for i, (opts, ps) in enumerate(grouped):
+            named_ps = [(names[id(p)], p) for p in ps]
+            flags = [self._used.index[id(p)] for p in ps]
+            b = ShardedBuffer(f"bucket{i}", named_ps, flags, opts, self.mesh, self.precision, True)
+            # The parameters become views of `full` (the AllGather after each step writes
+            # them) at once: their own storages go bucket by bucket, so building never
+            # holds a second copy of the model.
             for p, view in zip(b.params, b.layout.views(b.full), strict=True):
                 p.data = view
+            self.buckets.append(b)
         self.buckets[-1].n_flags = len(self._used)  # launched last: every use is known
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
             self._cast_module()
