@@ -236,7 +236,8 @@ def test_fsdp_built_on_meta_allocates_its_slices_not_the_model():
         assert e["growth"] >= model_bytes
         # Meta: this rank's fp32 slices (4Ψ/P) plus, one at a time, one unit's buffer
         # and its module's parameters while they are initialised (each at most the
-        # largest unit), and 1 MiB for the allocator's own bookkeeping.
-        bound = model_bytes / p + 2 * 4 * m["largest_unit"] + 2**20
+        # largest unit), and 3 MiB for what else the process allocates meanwhile (Python
+        # objects, Gloo's buffers: the C heap counts them too; about 1 MiB seen here).
+        bound = model_bytes / p + 2 * 4 * m["largest_unit"] + 3 * 2**20
         assert m["growth"] <= bound, (m, bound)
-        assert m["growth"] < e["growth"] / 2
+        assert m["growth"] < model_bytes / 2  # never the whole model

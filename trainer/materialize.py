@@ -203,6 +203,16 @@ class SeededInit(Source):
         for r in requests:
             by_module.setdefault(owners[id(r.param)][0], []).append(r)
         listed = {name for name, _ in modules}
+        # A request for a whole parameter, in its dtype and on `device` (materialize): the
+        # init writes into its `out` directly, with no transient copy of the module.
+        whole = {
+            id(r.param): r
+            for r in requests
+            if (r.start, r.stop) == (0, r.param.numel())
+            and r.out.dtype == r.param.dtype
+            and r.out.device == device
+            and r.out.is_contiguous()
+        }
         # Post-order, as construction runs inits (a module's values do not depend on it).
         todo = [(n, m) for n, m in _post_order(root) if n in listed or n in by_module]
         devices = [device.index] if device.type != "cpu" else []
@@ -229,9 +239,10 @@ class SeededInit(Source):
                 # transformers' init functions skip a tensor flagged as initialised (what
                 # from_pretrained loaded): the flag is put back with the meta tensor.
                 flags = [p.__dict__.pop("_is_hf_initialized", None) for _, p in own]
-                self._init_one(root, name, module, own, meta_buffers, device)
+                self._init_one(root, name, module, own, meta_buffers, device, whole)
                 for r in by_module.get(name, []):
-                    r.out.copy_(_values(r.param).view(-1)[r.start : r.stop])
+                    if whole.get(id(r.param)) is not r:  # else written in place
+                        r.out.copy_(_values(r.param).view(-1)[r.start : r.stop])
                 for (_, p), flag in zip(own, flags, strict=True):
                     swap_into(p, torch.empty(p.shape, dtype=p.dtype, device=META))
                     if flag is not None:
@@ -245,6 +256,7 @@ class SeededInit(Source):
         own: list[tuple[str, nn.Parameter]],
         meta_buffers: list[tuple[str, Tensor]],
         device: torch.device,
+        whole: dict[int, Request],
     ) -> None:
         """Run the inits that give `module`'s own parameters and meta buffers values, with
         them allocated on `device` and everything else left as it is. NaN fills and
@@ -261,7 +273,14 @@ class SeededInit(Source):
                 "ordinarily, or give it values with Pretrained(...)"
             )
         for _, p in own:
-            swap_into(p, _nan(p.shape, p.dtype, device))
+            into = whole.get(id(p))
+            if into is None:
+                swap_into(p, _nan(p.shape, p.dtype, device))
+            else:  # NaN first, as the transient tensor would be
+                values = into.out.view(p.shape)
+                if values.is_floating_point() or values.is_complex():
+                    values.fill_(math.nan)
+                swap_into(p, values)
         placed = {}
         for b, t in meta_buffers:
             module._buffers[b] = placed[b] = _nan(t.shape, t.dtype, device)
