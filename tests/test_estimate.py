@@ -143,14 +143,28 @@ def _activations(cfg, x, y) -> int:
     return h.growth
 
 
+def _engine(cfg, model, **extra):
+    """The engine train.py builds for `cfg` (its mode, optimizer, precision, options)."""
+    from trainer.config import engine_options
+    from trainer.optim import param_options
+    from trainer.parallel import build_engine
+
+    return build_engine(
+        model,
+        cfg.mode.name,
+        optimizer_factory(cfg.optim),
+        precision=cfg.precision,
+        param_options=param_options(cfg.optim),
+        **extra,
+        **engine_options(cfg),
+    )
+
+
 def _build_heap(cfg, dataset, meta: bool) -> int:
     """Heap growth from building the model to the end of check_fit, as train.py builds
     it (train.meta_build): the build peak of [Note: the build peak] in layout.py."""
     from trainer import heap
-    from trainer.config import engine_options
     from trainer.materialize import SeededInit, empty_weights
-    from trainer.optim import param_options
-    from trainer.parallel import build_engine
     from trainer.run.fit import check_fit
 
     gc.collect()
@@ -160,16 +174,7 @@ def _build_heap(cfg, dataset, meta: bool) -> int:
             model = instantiate(cfg.model, **model_sizes(cfg))
         if not meta:
             check_fit(model, dataset, "model", "data")
-        engine = build_engine(
-            model,
-            cfg.mode.name,
-            optimizer_factory(cfg.optim),
-            precision=cfg.precision,
-            param_options=param_options(cfg.optim),
-            source=SeededInit(0) if meta else None,
-            device="cpu",
-            **engine_options(cfg),
-        )
+        engine = _engine(cfg, model, source=SeededInit(0) if meta else None, device="cpu")
         if meta:
             check_fit(engine, dataset, "model", "data", device=torch.device("cpu"))
     del engine, model
@@ -179,9 +184,6 @@ def _build_heap(cfg, dataset, meta: bool) -> int:
 
 def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
     from trainer import comm, memory
-    from trainer.config import engine_options
-    from trainer.optim import param_options
-    from trainer.parallel import build_engine
     from trainer.run.loop import forward_backward
 
     out = []
@@ -201,14 +203,7 @@ def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
         sampler = _Sampler(lambda box=box: _working(box[0]))
         for p in model.parameters():  # before the engine's hooks: sees each new gradient
             p.register_post_accumulate_grad_hook(lambda p, s=sampler: s.sample())
-        engine = build_engine(
-            model,
-            cfg.mode.name,
-            optimizer_factory(cfg.optim),
-            precision=cfg.precision,
-            param_options=param_options(cfg.optim),
-            **engine_options(cfg),
-        )
+        engine = _engine(cfg, model)
         box.append(engine)
         # model state right after the optimizer step, as the memory monitor reads it
         engine.optimizer.register_step_post_hook(
