@@ -145,6 +145,54 @@ def test_older_collective_names_give_the_same_values():
 
 
 # ---------------------------------------------------------------------------------------
+# Buffers freed at the wait. Gloo's worker thread lets go of a finished op (and of the
+# tensors it holds) a moment after wait() returns; the engines free the buffers they
+# hand a collective themselves, so none outlives its wait. Here the op's references are
+# held for as long as the test likes: the buffers' storages must be empty regardless.
+
+
+def _buffers_held_after_the_wait(env) -> dict[str, object]:
+    from torch import nn
+
+    from trainer import comm as package  # the names the engines call
+    from trainer.parallel import build_engine
+    from trainer.parallel.engine import broadcast_tensors
+
+    held: dict[str, list[torch.Tensor]] = {"broadcast": [], "reduce_scatter": []}
+    real = {op: getattr(package, op) for op in held}  # what the ops were handed, kept
+    package.broadcast = lambda t, *a, **k: (
+        held["broadcast"].append(t),
+        real["broadcast"](t, *a, **k),
+    )[1]
+    package.reduce_scatter = lambda out, full, *a, **k: (
+        held["reduce_scatter"].append(full),
+        real["reduce_scatter"](out, full, *a, **k),
+    )[1]
+    try:
+        tensors = [torch.full((3,), env.rank + 1.0), torch.full((2, 2), env.rank + 5.0)]
+        broadcast_tensors(tensors)  # two tensors: one packed buffer
+        out: dict[str, object] = {"values": [t.tolist() for t in tensors]}
+        torch.manual_seed(env.rank)  # build_engine broadcasts rank 0's values: a pack
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        engine = build_engine(model, "zero", lambda g: torch.optim.SGD(g, lr=0.1), bucket_mb=0)
+        engine(torch.randn(3, 4)).sum().backward()
+        out["buckets"] = len(engine.buckets)
+        out["bytes"] = {op: [t.untyped_storage().nbytes() for t in ts] for op, ts in held.items()}
+        return out
+    finally:
+        for name, fn in real.items():
+            setattr(package, name, fn)
+
+
+def test_collective_buffers_are_freed_at_the_wait_while_the_op_still_holds_them():
+    for out in run_distributed(_buffers_held_after_the_wait, 2):
+        assert out["values"] == [[1.0] * 3, [[5.0, 5.0], [5.0, 5.0]]]  # rank 0's
+        # the packs of broadcast_tensors and build_engine; one ReduceScatter per bucket
+        assert out["bytes"] == {"broadcast": [0, 0], "reduce_scatter": [0] * out["buckets"]}
+        assert out["buckets"] > 1
+
+
+# ---------------------------------------------------------------------------------------
 # CUDA timing bookkeeping, with a fake CUDA: events read a simulated GPU clock that each
 # collective advances by its duration, so every figure below is known exactly. This
 # checks the bookkeeping (which events are recorded, kept, folded), not real GPU timing.

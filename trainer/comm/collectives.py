@@ -465,6 +465,18 @@ def wait_all(handles: Sequence[Handle]) -> None:
         h.wait()
 
 
+def free_storage(t: torch.Tensor) -> None:
+    """Free the memory of `t`, a buffer a waited-for collective used, now.
+
+    Dropping the last Python reference is not enough: Gloo runs an op on a worker thread
+    that lets go of it (and of its tensors) a moment after `wait()` returns, so the
+    buffer would outlive the wait by a scheduling delay and sit beside whatever is
+    allocated next. Only for tensors that own their storage (no views of it remain in
+    use). On CUDA the compute stream has waited for the op by then, so its memory is free
+    to reuse there."""
+    t.untyped_storage().resize_(0)
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

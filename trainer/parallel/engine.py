@@ -410,3 +410,4 @@ def _broadcast_pack(pack: list[torch.Tensor], src: int) -> None:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+    comm.free_storage(flat)

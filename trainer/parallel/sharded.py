@@ -178,7 +178,7 @@ class Reducer:
         comm/groups.py), overlapping the rest of backward. On CUDA the compute stream
         waits here, to reuse the input's memory; the host does not."""
         b.handle.wait()
-        # Dropping the handle too: an in-flight op may hold references to its buffers.
+        comm.free_storage(b.grad_input.rows)
         b.grad_input = b.handle = None
         if self.mesh.replicate is not None:
             b.handle = comm.all_reduce(
