@@ -127,6 +127,95 @@ def test_tied_and_shared_parameters_go_to_the_common_unit():
     assert [n for n, _ in plan[2].params] == ["1.1.weight", "1.1.bias"]
 
 
+class _Body(nn.Module):
+    """A module that encloses the layers and holds parameters of its own beside them, as
+    HF GPT-2's `transformer` holds `wpe` and `ln_f` around its blocks."""
+
+    def __init__(self, width: int = 8, depth: int = 4):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(width))
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x):
+        x = x + self.pos
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_module_enclosing_units_is_never_one():
+    # `pos` (8) reaches min_unit_params in `_Body`, which has a forward: the size rule
+    # would make it a unit around the Linears'. Its parameters go to the root instead.
+    torch.manual_seed(0)
+    model = nn.Sequential(_Body(), nn.Linear(8, 2))
+    plan = plan_units(model, min_unit_params=8)
+    assert [u.name for u in plan] == ["", "0.layers.0", "0.layers.1", "0.layers.2"] + [
+        "0.layers.3",
+        "1",
+    ]
+    assert [n for n, _ in plan[0].params] == ["0.pos"]
+    assert all(u.parent == 0 for u in plan[1:])
+    # HF GPT-2 whose wpe (64 x 1536) and ln_f together, not apart, reach 100k parameters.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=8, n_positions=64, n_embd=1536, n_layer=2, n_head=2)
+    with torch.device("meta"):
+        gpt2 = GPT2LMHeadModel(config)
+    plan = plan_units(gpt2)
+    assert [u.name for u in plan] == ["", "transformer.h.0", "transformer.h.1"]
+    assert {n for n, _ in plan[0].params} == {
+        "transformer.wte.weight",  # tied to lm_head
+        "transformer.wpe.weight",
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+    }
+
+
+def _enclosed_step(env) -> dict:
+    from trainer import comm
+    from trainer.parallel import build_engine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Body(), nn.Linear(8, 2))
+    reference = nn.Sequential(_Body(), nn.Linear(8, 2))
+    reference.load_state_dict(model.state_dict())
+    sgd = OPTIMIZERS["sgd"]
+    engine = build_engine(model, "fsdp", sgd, min_unit_params=8)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    with comm.tracing() as events:
+        mine = slice(2 * env.rank, 2 * env.rank + 2)
+        engine.backward(nn.functional.mse_loss(engine(x[mine]), y[mine]))
+    engine.step()
+    nn.functional.mse_loss(reference(x), y).backward()
+    opt = sgd(reference.parameters())
+    opt.step()
+    got = engine.full_state_dict()
+    return {
+        "events": events,
+        "max_diff": max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
+    }
+
+
+def test_enclosed_units_are_gathered_one_by_one_in_backward():
+    for out in run_distributed(_enclosed_step, 2):
+        events = out["events"]
+        start = events.index(("backward_begin", "root"))
+        # AllGathers issued before each ReduceScatter of the backward: the last unit and
+        # the one before it (prefetched), then one more per unit reduced. Gathering the
+        # enclosing module as a unit would bring every unit inside it in at once.
+        gathers, between = [], 0
+        for event, _ in events[start:]:
+            if event == "launch:all_gather":
+                between += 1
+            elif event == "launch:reduce_scatter":
+                gathers.append(between)
+                between = 0
+        assert gathers[0] <= 2 and max(gathers[1:]) <= 1, (gathers, events)
+        # equal to one process over the whole batch up to rounding: averaging over 2 ranks
+        # adds the two halves' gradients in another order (a few ulps of values ~1)
+        assert out["max_diff"] < 1e-6
+
+
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
 def test_mode_config_matches_the_constructor(mode):
     from trainer.parallel import ENGINES, build_engine

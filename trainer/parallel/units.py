@@ -16,11 +16,17 @@ them, in this order of precedence:
      if no class named in rule 1 lies inside it: naming a class is how a user picks a
      finer cut (`unit_classes=[FeedForward]` makes each block's MLP the unit, not the
      block). The outermost repetition wins: a layer's own Sequentials are not cut again.
-  3. by size: outside those subtrees, a submodule with a forward of its own that holds
-     at least `min_unit_params` parameters not taken by a unit inside it (embeddings, an
-     LM head; with `repeated_children=False` also every large enough layer and, inside a
-     layer that is not a unit, its large Linears).
-The root unit is the model itself and holds every parameter left over.
+  3. by size: outside those subtrees, a submodule with a forward of its own and no unit
+     inside it that holds at least `min_unit_params` parameters (embeddings, an LM head;
+     with `repeated_children=False` also every large enough layer and, inside a layer
+     that is not a unit, its large Linears).
+The root unit is the model itself and holds every parameter left over, among them those
+of a module that encloses units (HF GPT-2's `transformer`: `wpe` and `ln_f` around the
+blocks). Such a module's parameters are needed before and after the units inside it, in
+forward and again in backward, where its output's gradient comes first: as a unit of its
+own, gathering it there would force the AllGathers of every unit inside it ahead of it
+([Note: one collective order on every rank] in schedule.py), all units full at once. In
+the root they stay gathered through the step, as the root's do.
 
 [Note: tied parameters]
 A parameter reachable from two units (GPT's `lm_head.weight is wte.weight`, or a module
@@ -161,26 +167,31 @@ def units_by_repetition(model: nn.Module, by_class: set[int]) -> set[int]:
 
 
 def _by_size(model: nn.Module, whole: set[int], min_params: int) -> set[int]:
-    """Rule 3, decided bottom-up: modules outside the subtrees of `whole` holding at
-    least `min_params` parameters that no inner unit has taken."""
+    """Rule 3, decided bottom-up: modules outside the subtrees of `whole`, with no unit
+    inside them, holding at least `min_params` parameters ([Note: unit policy])."""
     found: set[int] = set()
     seen: set[int] = set()  # modules and parameters already counted once
 
-    def visit(module: nn.Module, is_root: bool) -> int:  # -> parameters not in a unit
+    def visit(module: nn.Module, is_root: bool) -> tuple[int, bool]:
+        """(its parameters not in a unit, whether a unit lies inside it)"""
         if id(module) in seen:
-            return 0
+            return 0, id(module) in whole or id(module) in found
         seen.add(id(module))
         if not is_root and id(module) in whole:
-            return 0
-        n = sum(visit(c, False) for c in module._modules.values() if c is not None)
+            return 0, True
+        n, encloses = 0, False
+        for child in module._modules.values():
+            if child is not None:
+                k, inside = visit(child, False)
+                n, encloses = n + k, encloses or inside
         for p in module._parameters.values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 n += p.numel()
-        if not is_root and n >= min_params and _has_forward(module):
+        if not is_root and not encloses and n >= min_params and _has_forward(module):
             found.add(id(module))
-            return 0
-        return n
+            return 0, True
+        return n, encloses
 
     visit(model, True)
     return found
