@@ -72,6 +72,10 @@ def validate(cfg: DictConfig, world_size: int) -> None:
         from trainer.comm.groups import check_shard_group_size
 
         check_shard_group_size(cfg.mode.shard_group_size, world_size)
+    if cfg.mode.get("expert_parallel", 1) != 1:
+        from trainer.comm.groups import check_expert_parallel
+
+        check_expert_parallel(cfg.mode.expert_parallel, world_size, cfg.model.get("n_experts"))
     _whole("train.eval_every", cfg.train.get("eval_every", 0), minimum=0)
     if cfg.train.get("eval_batches") is not None:
         _whole("train.eval_batches", cfg.train.eval_batches, minimum=1)

@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.materialize import building_on_meta
-from trainer.models import GPT, GPT_TYPE
+from trainer.models import GPT, GPT_MOE_TYPE, GPT_TYPE, GPTMoE
 
 WEIGHTS = (
     "model.safetensors",
@@ -184,8 +184,9 @@ def save_model_files(model: nn.Module, directory: Path, data_dir: Path | None) -
 def build_from_config(directory: Path) -> nn.Module:
     """A freshly initialised model of `directory/config.json` (ours or Hugging Face's)."""
     config = json.loads((Path(directory) / "config.json").read_text())
-    if config.get("model_type") == GPT_TYPE:
-        return GPT(**{k: v for k, v in config.items() if k != "model_type"})
+    ours = {GPT_TYPE: GPT, GPT_MOE_TYPE: GPTMoE}.get(config.get("model_type"))
+    if ours is not None:
+        return ours(**{k: v for k, v in config.items() if k != "model_type"})
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -198,7 +199,7 @@ def load_exported(directory: Path) -> nn.Module:
     if not (directory / "config.json").is_file():
         raise ConfigError(f"{directory} has no config.json")
     config = json.loads((directory / "config.json").read_text())
-    if config.get("model_type") == GPT_TYPE:
+    if config.get("model_type") in (GPT_TYPE, GPT_MOE_TYPE):
         from safetensors.torch import load_model
 
         model = build_from_config(directory)

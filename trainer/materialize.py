@@ -133,15 +133,22 @@ class Source:
         raise NotImplementedError
 
 
-def materialize(root: nn.Module, source: Source, device: torch.device | str) -> nn.Module:
+def materialize(
+    root: nn.Module, source: Source, device: torch.device | str, only_meta: bool = False
+) -> nn.Module:
     """Every parameter of `root` allocated whole on `device` and given `source`'s values
     (tied ones once, identity kept), meta buffers materialised: afterwards `root` is an
     ordinary model on `device`. For modes that keep full parameters (ddp, zero). Real
-    parameters and buffers are moved to `device` too. Returns `root`."""
+    parameters and buffers are moved to `device` too. Returns `root`. `only_meta`: the
+    parameters on meta get values and the real ones stay as they are (expert parameters
+    given their rank's rows first, trainer/parallel/experts.py)."""
     device = torch.device(device)
-    if not has_meta(root):
+    if only_meta:
+        if not any(p.is_meta for p in root.parameters()):
+            return root.to(device)
+    elif not has_meta(root):
         return root.to(device)
-    params = list(root.named_parameters())
+    params = [(n, p) for n, p in root.named_parameters() if p.is_meta]
     # The values are written into tensors of their own while the model's parameters stay
     # on meta (as fill expects), then each parameter takes its tensor.
     storage = [torch.empty(p.shape, dtype=p.dtype, device=device) for _, p in params]

@@ -24,8 +24,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.errors import ConfigError
+from trainer.parallel.experts import dispatch_combine
 
 GPT_TYPE = "shardtrain_gpt"  # config.json's model_type of our GPT (trainer/lm.py reads it)
+GPT_MOE_TYPE = "shardtrain_gpt_moe"  # and of GPT-MoE
 
 # --------------------------------------------------------------------------------------
 # Activation checkpointing
@@ -277,6 +279,161 @@ class GPT(nn.Module):
             x = checkpointed(block, x) if self.activation_checkpointing else block(x)
             # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+
+
+# --------------------------------------------------------------------------------------
+# GPT-MoE: the GPT above with a mixture-of-experts MLP in every k-th block.
+
+
+class Experts(nn.Module):
+    """`num_experts` GELU MLPs with their weights stacked over experts, (n, C, H) and
+    (n, H, C), so that a rank's experts are a contiguous slice of rows (expert
+    parallelism keeps rows [r*n/E, (r+1)*n/E), trainer/parallel/experts.py)."""
+
+    def __init__(self, num_experts: int, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_in = nn.Parameter(torch.empty(num_experts, n_embd, hidden))
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, n_embd))
+        self.placement = None  # set by expert parallelism: which experts live here
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_in, mean=0.0, std=0.02)
+        nn.init.normal_(self.w_out, mean=0.0, std=0.02)
+
+    def forward(self, rows: Tensor, counts: list[int]) -> Tensor:
+        """rows (N, C) grouped by the experts held here, counts[e] of them for expert e
+        (zero too: every expert runs, so every one gets a gradient)."""
+        out = [
+            F.gelu(x @ self.w_in[e]) @ self.w_out[e]  # (counts[e], C)
+            for e, x in enumerate(rows.split(counts))
+        ]
+        return torch.cat(out)  # (N, C)
+
+
+class MoE(nn.Module):
+    """Top-k softmax routing over `num_experts` Experts, with the Switch/GShard
+    load-balancing loss: aux = n · Σ_i f_i · p_i, f_i the fraction of routed rows that
+    go to expert i and p_i its mean router probability (1 when perfectly balanced)."""
+
+    def __init__(self, n_embd: int, num_experts: int, top_k: int, hidden: int) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ConfigError(
+                f"GPT-MoE top_k={top_k} must be between 1 and n_experts={num_experts}"
+            )
+        self.top_k = top_k
+        self.router = nn.Linear(n_embd, num_experts, bias=False)
+        self.experts = Experts(num_experts, n_embd, hidden)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)  # (N, C)
+        probs = self.router(flat).float().softmax(dim=-1)  # (N, n) fp32 for the routing
+        top_w, top_idx = probs.topk(self.top_k, dim=-1)  # (N, k)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)  # the k weights sum to 1
+        n = self.experts.num_experts
+        y = dispatch_combine(flat, top_idx, top_w, self.experts, n, self.experts.placement)
+        with torch.no_grad():
+            routed = torch.bincount(top_idx.flatten(), minlength=n).float() / top_idx.numel()
+        aux = n * (routed * probs.mean(dim=0)).sum()  # () fp32
+        self.load = routed.detach()  # (n,) this forward's share of rows per expert
+        return y.view(B, T, C).to(x.dtype), aux
+
+
+class MoEBlock(nn.Module):
+    """A Block whose MLP is an MoE; returns the block's output and the MoE's aux loss."""
+
+    def __init__(self, n_embd: int, n_head: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.moe = MoE(n_embd, num_experts, top_k, 4 * n_embd)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        y, aux = self.moe(self.ln_2(x))
+        return x + y, aux  # (B, T, C), ()
+
+
+class GPTMoE(GPT):
+    """GPT with an MoE MLP in every `moe_every`-th block (the last of each group of
+    `moe_every`: blocks moe_every-1, 2*moe_every-1, ...). The load-balancing losses of
+    the MoE blocks, times `aux_loss_coef`, are summed into `aux_loss` at every forward;
+    the training loop adds it to the loss (trainer.models.aux_loss)."""
+
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        block_size: int = 32,
+        n_layer: int = 2,
+        n_head: int = 2,
+        n_embd: int = 64,
+        tie_weights: bool = False,
+        activation_checkpointing: bool = False,
+        n_experts: int = 8,
+        top_k: int = 2,
+        moe_every: int = 1,
+        aux_loss_coef: float = 0.01,
+    ) -> None:
+        if moe_every < 1:
+            raise ConfigError(f"GPT-MoE moe_every={moe_every} must be at least 1")
+        self._moe = dict(n_experts=n_experts, top_k=top_k, moe_every=moe_every)
+        super().__init__(
+            vocab_size, block_size, n_layer, n_head, n_embd, tie_weights, activation_checkpointing
+        )
+        for i in range(moe_every - 1, n_layer, moe_every):
+            self.blocks[i] = MoEBlock(n_embd, n_head, n_experts, top_k)
+            for m in self.blocks[i].modules():
+                self.init_module(m)
+        self.aux_loss_coef = aux_loss_coef
+        self.aux_loss: Tensor | None = None  # of the latest forward, times the coefficient
+
+    def model_config(self) -> dict:
+        return {
+            **super().model_config(),
+            "model_type": GPT_MOE_TYPE,
+            **self._moe,
+            "aux_loss_coef": self.aux_loss_coef,
+        }
+
+    def init_module(self, module: nn.Module) -> None:
+        if isinstance(module, Experts):
+            module.reset_parameters()
+        super().init_module(module)
+
+    def _scale_residual(self, module: nn.Module) -> None:
+        if any(module is b.attn.c_proj for b in self.blocks) or any(
+            isinstance(b, Block) and module is b.mlp.c_proj for b in self.blocks
+        ):
+            std = 0.02 / math.sqrt(2 * len(self.blocks))
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        B, T = idx.shape
+        if T > self.block_size:
+            raise ConfigError(
+                f"sequence length {T} is longer than GPT block_size {self.block_size}"
+            )
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        aux = torch.zeros((), device=idx.device)
+        for block in self.blocks:
+            out = checkpointed(block, x) if self.activation_checkpointing else block(x)
+            if isinstance(block, MoEBlock):
+                out, a = out
+                aux = aux + a
+            x = out  # (B, T, C)
+        self.aux_loss = self.aux_loss_coef * aux
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+
+
+def aux_loss(model: nn.Module) -> Tensor | None:
+    """The auxiliary loss a model's latest forward asks to be added to the training loss
+    (GPT-MoE's load balancing), or None."""
+    return getattr(model, "aux_loss", None)
 
 
 # --------------------------------------------------------------------------------------

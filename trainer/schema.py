@@ -83,6 +83,7 @@ class DdpMode:
     name: str = "ddp"
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
+    expert_parallel: int = 1
 
 
 @dataclass
@@ -91,6 +92,7 @@ class ZeroMode:
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     shard_group_size: int | None = None
+    expert_parallel: int = 1
 
 
 @dataclass
@@ -103,6 +105,7 @@ class FsdpMode:
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     shard_group_size: int | None = None
+    expert_parallel: int = 1
 
 
 # optim/: the trainer's options, whose values conf/config.yaml sets for every choice,

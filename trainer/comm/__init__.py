@@ -6,14 +6,17 @@
 - collectives.py: the collectives, their `Handle`, byte and time accounting (`comm.stats`),
   the CUDA comm streams and the test hooks (`tracing()`, `delayed()`, `p2p()`). Start here.
 - sendrecv.py: reduce-scatter and all-gather from point-to-point sends, the Gloo fast path.
-- groups.py: shard and replica groups for hybrid sharding ([Note: hybrid sharding]).
-- all_to_all.py: scatter and the all-to-alls, which no mode uses (demo, benchmark).
+- groups.py: shard and replica groups for hybrid sharding ([Note: hybrid sharding]),
+  expert-parallel and expert-data-parallel groups ([Note: expert parallel groups]).
+- all_to_all.py: scatter and the all-to-alls; expert parallelism's token dispatch uses
+  the uneven `all_to_all` (re-exported here).
 
 This package re-exports collectives.py's public names, so `comm.all_gather` is the
 function the engines call.
 """
 
 from trainer.comm import groups
+from trainer.comm.all_to_all import all_to_all
 from trainer.comm.collectives import (
     AveragePlan,
     CommStats,
@@ -47,6 +50,7 @@ __all__ = [
     "Handle",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "average_plan",
     "barrier",
     "broadcast",

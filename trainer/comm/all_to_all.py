@@ -1,5 +1,5 @@
-"""Collectives the trainer itself does not use, kept for the collectives demo, the
-benchmark and MoE-style token dispatch: scatter, all-to-all and uneven all-to-all.
+"""Scatter and the all-to-alls: the collectives demo and benchmark use them all, expert
+parallelism (trainer/parallel/experts.py) the uneven `all_to_all` for MoE token dispatch.
 
 They go through collectives.py's launch path (byte counting, test hooks, comm stream,
 `Handle`) exactly as the core collectives do.
@@ -27,7 +27,7 @@ def scatter(
     sent = 0
     if scatter_list and rank(group) == src:
         sent = sum(nbytes(t) for t in scatter_list[1:])
-    launch("scatter", tag, sent)
+    launch("scatter", tag, sent, group=group)
     return Handle(dist.scatter(output, scatter_list, src, group=group, async_op=True))
 
 
@@ -40,14 +40,18 @@ def all_to_all(
     tag: str = "",
     group=None,
 ) -> Handle:
-    """Rank r's j-th input piece lands as rank j's r-th output piece (splits along dim 0)."""
+    """Rank r's j-th input piece lands as rank j's r-th output piece (splits along dim 0).
+
+    With `input_splits` / `output_splits` the pieces are uneven (zero rows included):
+    rank r sends `input_splits[j]` rows to rank j and receives `output_splits[j]` from
+    it, which the caller must know beforehand (MoE dispatch exchanges them first)."""
     p = world_size(group)
     if input_splits is None:
         sent = (p - 1) / p * nbytes(input)
     else:
         row = nbytes(input) / max(input.shape[0], 1)
         sent = row * (sum(input_splits) - input_splits[rank(group)])
-    launch("all_to_all", tag, sent)
+    launch("all_to_all", tag, sent, group=group)
     with on_comm_stream(output, input, group=group) as start:
         work = dist.all_to_all_single(
             output, input, output_splits, input_splits, group=group, async_op=True

@@ -1,6 +1,7 @@
 """The process groups the engines communicate over, each built once per process: the
-(replicate, shard) mesh of hybrid sharding ([Note: hybrid sharding], below) and a second
-group per group for fsdp's AllGathers (`gather_group`).
+(replicate, shard) mesh of hybrid sharding ([Note: hybrid sharding], below), the
+expert-parallel and expert-data-parallel groups ([Note: expert parallel groups]) and a
+second group per group for fsdp's AllGathers (`gather_group`).
 
 Groups come from `dist.new_subgroups_by_enumeration`, which every rank calls with the
 same lists, so every rank must build a mesh at the same point (engine construction).
@@ -57,6 +58,15 @@ def check_shard_group_size(s: Any, world_size: int) -> None:
 _meshes: dict[tuple[object, int], Mesh] = {}
 _across: set[dist.ProcessGroup] = set()  # replica groups: their traffic crosses shard groups
 _second: dict[object, dist.ProcessGroup | None] = {}
+# the partition of all ranks that each subgroup was built in (its twin is built alike)
+_partition: dict[dist.ProcessGroup, list[list[int]]] = {}
+
+
+def _subgroup(partition: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group of `partition` (every rank calls it with the same lists)."""
+    group, _ = dist.new_subgroups_by_enumeration(partition)
+    _partition[group] = partition
+    return group
 
 
 def mesh(shard_group_size: int | None) -> Mesh:
@@ -70,12 +80,8 @@ def mesh(shard_group_size: int | None) -> Mesh:
         if s == p:
             _meshes[key] = Mesh(None, None, p, rank, 1)
         else:
-            shard, _ = dist.new_subgroups_by_enumeration(
-                [list(range(g * s, (g + 1) * s)) for g in range(p // s)]
-            )
-            replicate, _ = dist.new_subgroups_by_enumeration(
-                [list(range(j, p, s)) for j in range(s)]
-            )
+            shard = _subgroup([list(range(g * s, (g + 1) * s)) for g in range(p // s)])
+            replicate = _subgroup([list(range(j, p, s)) for j in range(s)])
             if p // s > 1:
                 _across.add(replicate)
             _meshes[key] = Mesh(shard, replicate if p // s > 1 else None, s, rank % s, p // s)
@@ -93,12 +99,9 @@ def gather_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
         if group is None:
             _second[key] = dist.new_group(backend=dist.get_backend())
         else:
-            # Every shard group gets its twin; new_subgroups_by_enumeration needs all ranks.
-            ranks = dist.get_process_group_ranks(group)
-            s, p = len(ranks), dist.get_world_size()
-            _second[key], _ = dist.new_subgroups_by_enumeration(
-                [list(range(g * s, (g + 1) * s)) for g in range(p // s)]
-            )
+            # Every group of the partition gets its twin; new_subgroups_by_enumeration
+            # needs all ranks.
+            _second[key], _ = dist.new_subgroups_by_enumeration(_partition[group])
     return _second[key]
 
 
@@ -106,3 +109,65 @@ def crosses_groups(group: dist.ProcessGroup | None) -> bool:
     """True for a replica group: its traffic goes between shard groups (between nodes,
     when a shard group is one node)."""
     return group is not None and group in _across
+
+
+# [Note: expert parallel groups]
+# With `mode.expert_parallel=E` the P ranks form P/E expert-parallel (EP) groups of E
+# consecutive ranks (one node's GPUs, when a node runs E ranks: the AllToAlls of token
+# dispatch stay on the fast links) and E expert-data-parallel (EDP) groups of P/E ranks,
+# the ranks at the same position in their EP groups:
+#
+#     P = 4, E = 2    EP groups  {0, 1} {2, 3}    AllToAll of tokens; each rank holds
+#                                                 n_experts / E of every MoE layer's experts
+#                     EDP groups {0, 2} {1, 3}    hold the same experts: their gradients
+#                                                 are reduced here, their state sharded here
+#
+# Dense parameters are handled over all P ranks as without EP. The layout is
+# torchtitan's (an EP mesh inside the data-parallel ranks) and DeepSpeed-MoE's
+# "expert data parallel" groups. E = P: one EP group, EDP groups of one rank.
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's view of the expert-parallel layout."""
+
+    ep: dist.ProcessGroup  # the E ranks exchanging tokens with this one
+    edp: dist.ProcessGroup  # the P/E ranks holding the same experts as this one
+    ep_size: int  # E
+    ep_rank: int  # position in the EP group: which slice of the experts this rank holds
+    edp_size: int  # P / E
+    edp_rank: int  # position in the EDP group
+    edp_mesh: Mesh  # the EDP group as the mesh zero and fsdp shard expert parameters over
+
+
+def check_expert_parallel(e: Any, world_size: int, n_experts: int | None = None) -> None:
+    """E must divide the world size and every MoE layer's number of experts (None: not
+    known yet): one line naming the valid values."""
+    valid = [
+        d
+        for d in range(1, world_size + 1)
+        if world_size % d == 0 and (n_experts is None or n_experts % d == 0)
+    ]
+    if isinstance(e, bool) or not isinstance(e, int) or e < 1 or e not in valid:
+        experts = "" if n_experts is None else f" and the number of experts {n_experts}"
+        raise ConfigError(
+            f"mode.expert_parallel={e!r} must divide the world size {world_size}{experts}: "
+            f"use one of {', '.join(map(str, valid))}"
+        )
+
+
+_expert_groups: dict[int, ExpertGroups] = {}
+
+
+def expert_groups(e: int) -> ExpertGroups:
+    """The EP and EDP groups for `mode.expert_parallel=E` ([Note: expert parallel
+    groups]); built once, at the same point on every rank."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    if p % e:
+        raise ConfigError(f"mode.expert_parallel={e} must divide the world size {p}")
+    if e not in _expert_groups:
+        ep = _subgroup([list(range(g * e, (g + 1) * e)) for g in range(p // e)])
+        edp = _subgroup([list(range(j, p, e)) for j in range(e)])
+        edp_mesh = Mesh(edp, None, p // e, rank // e, 1)
+        _expert_groups[e] = ExpertGroups(ep, edp, e, rank % e, p // e, rank // e, edp_mesh)
+    return _expert_groups[e]

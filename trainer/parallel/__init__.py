@@ -10,6 +10,7 @@ from torch import nn
 from trainer import comm
 from trainer.errors import ConfigError
 from trainer.materialize import Request, Source, has_meta, materialize, swap_into
+from trainer.parallel import experts
 from trainer.parallel.ddp import DDPEngine
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, broadcast_tensors
 from trainer.parallel.fsdp import FSDPEngine
@@ -40,12 +41,15 @@ def build_engine(
     skips an overflowed step on the device ([Note: dynamic loss scaling]).
     `param_options(name, param)` gives a parameter's optimizer options (e.g.
     {"weight_decay": 0.0}); the optimizer gets one param group per distinct options.
-    `options` are the mode's own (bucket_mb, reshard_after_forward, ...).
+    `options` are the mode's own (bucket_mb, reshard_after_forward, ...);
+    `expert_parallel=E` spreads each MoE layer's experts over groups of E ranks
+    (trainer/parallel/experts.py).
 
     A model whose parameters are on the meta device (built under
     `materialize.empty_weights()`) takes its values from `source`: `SeededInit(seed)`
     for a fresh init, `Pretrained(dir)` for safetensors weights ([Note: building on
     meta]); `device` is where its state goes (default: its buffers' device, else CPU)."""
+    ep = experts.plan(model, options.pop("expert_parallel", 1), options.get("shard_group_size"))
     mp = Precision.of(precision, reduce_dtype)
     fp16 = mp.param_dtype == torch.float16
     scaler = LossScaler(enabled=fp16, **(loss_scale or {}))
@@ -71,11 +75,13 @@ def build_engine(
                 "the model's parameters are on the meta device: give build_engine a "
                 "source=SeededInit(seed) (a fresh init) or source=Pretrained(dir) (weights)"
             )
+        if ep is not None:  # this rank's experts only, read or drawn first
+            experts.shard(model, ep, source, device)
         if engine_cls.builds_from_meta:
             _materialize_whole_parts(model, source, device)
             options.update(source=source, device=device)
         else:  # ddp and zero keep the full parameters anyway
-            materialize(model, source, device)
+            materialize(model, source, device, only_meta=ep is not None)
         # Every rank drew or read the same values; what the constructor made for real
         # (buffers) follows rank 0, as in an ordinary build.
         broadcast_tensors(list(model.buffers()))
@@ -86,9 +92,14 @@ def build_engine(
         )
     else:  # ranks may have built the model with different seeds: rank 0's values win
         broadcast_tensors(list(model.parameters()) + list(model.buffers()))
+        if ep is not None:  # then each rank keeps its experts' rows
+            experts.shard(model, ep, None, device or next(model.parameters()).device)
     if fp16:
         device = next((p.device for p in model.parameters() if not p.is_meta), device)
         optimizer = fused_for_scaling(optimizer, device or torch.device("cpu"))
+    if ep is not None:
+        options["experts"] = ep
+        experts.scale_gradients(ep)  # [Note: expert gradient scale] in experts.py
     return engine_cls(
         model, optimizer, precision=mp, scaler=scaler, param_options=param_options, **options
     )

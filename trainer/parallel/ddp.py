@@ -24,6 +24,7 @@ callback ([Note: end of backward] in engine.py), so a plain `loss.backward()` wo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +39,7 @@ from trainer.parallel.engine import (
     ShardGroup,
     param_groups,
 )
+from trainer.parallel.experts import ExpertPlan
 from trainer.parallel.pieces import Piece
 from trainer.parallel.used import UsedFlags
 from trainer.precision import Precision
@@ -46,9 +48,15 @@ from trainer.scaling import LossScaler
 
 class _Bucket:
     def __init__(
-        self, index: int, params: Sequence[nn.Parameter], dtype: torch.dtype, extra: int = 0
+        self,
+        index: int,
+        params: Sequence[nn.Parameter],
+        dtype: torch.dtype,
+        extra: int = 0,
+        group: Any = None,
     ):
         self.index = index
+        self.group = group  # AllReduced over it: None for all ranks, the EDP group for experts
         self.params = list(params)
         self.layout = FlatLayout.of(self.params)
         p0 = self.params[0]
@@ -72,17 +80,28 @@ class DDPEngine(Engine):
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
         param_options: ParamGroupFn | None = None,
+        experts: ExpertPlan | None = None,
     ):
-        super().__init__(module, precision, scaler)
+        super().__init__(module, precision, scaler, experts=experts)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
         self._names = {id(p): n for n, p in module.named_parameters()}
         mp = self.precision
-        grouped = bucketize(params, int(bucket_mb * 2**20))
+        cap = int(bucket_mb * 2**20)
+        # Expert parameters ([Note: expert parameters in every mode] in experts.py) have
+        # buckets of their own, AllReduced over the EDP group; they launch before the
+        # last dense bucket (the first layers', whose gradients come last), which
+        # carries the used-flags over all ranks.
+        expert = [p for _, p in named if experts is not None and experts.holds(p)]
+        dense = bucketize([p for _, p in named if not (experts and experts.holds(p))], cap)
+        edp = experts.groups.edp if experts is not None else None
+        grouped = [(ps, None) for ps in dense[:-1]]
+        grouped += [(ps, edp) for ps in bucketize(expert, cap)] + [(dense[-1], None)]
+        params = [p for ps, _ in grouped for p in ps]
         self.buckets = [
-            _Bucket(i, ps, mp.reduce_dtype, len(params) if i == len(grouped) - 1 else 0)
-            for i, ps in enumerate(grouped)
+            _Bucket(i, ps, mp.reduce_dtype, len(params) if i == len(grouped) - 1 else 0, group)
+            for i, (ps, group) in enumerate(grouped)
         ]
+        params = [p for _, p in named]
         # [Note: used flags]: this rank's use of each parameter, in the last bucket
         self._flags = self.buckets[-1].buffer[self.buckets[-1].layout.numel :]  # (n,)
         self._used = UsedFlags(params)
@@ -129,7 +148,7 @@ class DDPEngine(Engine):
     def _launch(self, b: _Bucket) -> None:
         if b is self.buckets[-1]:  # launched last: every parameter's use is known by now
             self._used.fill(self._flags)
-        b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}")
+        b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}", group=b.group)
 
     def _finish_backward(self) -> None:
         if not self._sync:
@@ -164,6 +183,14 @@ class DDPEngine(Engine):
         if self._separate_grads:
             return [m.grad for b in self.buckets for m in b.masters if m.grad is not None], False
         return [b.grad for b in self.buckets], False
+
+    def expert_grads(self) -> list[torch.Tensor]:
+        grads, _ = self.grad_tensors()
+        if self.experts is None:
+            return []
+        mine = [b for b in self.buckets if b.group is not None]
+        held = {id(m.grad) for b in mine for m in b.masters} | {id(b.grad) for b in mine}
+        return [g for g in grads if id(g) in held]
 
     def zero_grad(self) -> None:
         for b in self.buckets:

@@ -33,6 +33,7 @@ from torch import nn
 from trainer import comm, host
 from trainer.comm import groups as comm_groups
 from trainer.errors import ConfigError
+from trainer.parallel.experts import ExpertPlan
 from trainer.parallel.pieces import ShardGroup
 from trainer.precision import Precision, cast_module
 from trainer.scaling import LossScaler, can_skip_on_device, skipping_if
@@ -88,8 +89,12 @@ class Engine(ABC):
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
         device: torch.device | None = None,
+        experts: ExpertPlan | None = None,
     ):
         self.module = module
+        # Expert parallelism ([Note: expert parameters in every mode] in experts.py): the
+        # expert parameters this rank holds, reduced and sharded over the EDP group.
+        self.experts = experts
         self.world_size = comm.world_size()
         self.rank = comm.rank()
         # The ranks a sharding mode splits its state over ([Note: hybrid sharding] in
@@ -262,16 +267,28 @@ class Engine(ABC):
             flat = g.local.detach().reshape(-1)
             if g.sharded:  # the shard group's slices of the fp32 masters, in rank order
                 full = flat.new_empty(g.layout.padded_numel)
-                comm.all_gather(full, flat, tag="state", group=self.mesh.shard).wait()
+                group = self.mesh.shard if g.group is None else g.group
+                comm.all_gather(full, flat, tag="state", group=group).wait()
                 flat = full
             for name, view in zip(g.names, g.layout.views(flat), strict=True):
-                values[id(named[name])] = view.cpu().clone()
+                values[id(named[name])] = self._whole_experts(named[name], view).cpu().clone()
         out = {}
         for k, v in self.module.state_dict(keep_vars=True).items():
             t = values.get(id(v))
             # buffers and frozen parameters: every rank holds them whole
             out[k] = t if t is not None else self.whole_copy(v)
         return out
+
+    def _whole_experts(self, p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """An expert parameter's rows held by this rank's EP group position, gathered over
+        the EP group into the model's own layout (all experts, stacked); any other
+        parameter as it is. A collective for expert parameters."""
+        if self.experts is None or not self.experts.holds(p):
+            return rows
+        g = self.experts.groups
+        whole = rows.new_empty((g.ep_size * rows.numel(),))
+        comm.all_gather(whole, rows.contiguous().view(-1), tag="state", group=g.ep).wait()
+        return whole.view(g.ep_size * rows.shape[0], *rows.shape[1:])
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by kind, for memory accounting from live storages.
@@ -321,19 +338,35 @@ class Engine(ABC):
         """
         self._unscale()  # clip the true gradients, not the loss-scaled ones
         grads, sharded = self.grad_tensors()
-        device = self.device
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-        sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
+        split = {id(g) for g in self.expert_grads()}  # held whole here, split over EP
+        sq = self._sum_sq([g for g in grads if id(g) not in split])
         if sharded:  # each slice once: summed over one shard group, not its replicas
             sq = sq.reshape(1)
             comm.all_reduce(sq, tag="grad_norm", account=False, group=self.mesh.shard).wait()
             sq = sq.reshape(())
+        if self.experts is not None and not sharded:
+            # each expert once: the EP group's ranks hold different experts, replicas
+            # across EP groups the same ones
+            sq_experts = self._sum_sq([g for g in grads if id(g) in split]).reshape(1)
+            group = self.experts.groups.ep
+            comm.all_reduce(sq_experts, tag="grad_norm", account=False, group=group).wait()
+            sq = sq + sq_experts.reshape(())
         total = sq.sqrt()
         # As torch: the 1e-6 keeps a zero norm finite; a factor above 1 is clamped away.
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(scale.to(g.dtype))
         return total
+
+    def _sum_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        return torch.stack(norms).square().sum() if norms else torch.zeros((), device=self.device)
+
+    def expert_grads(self) -> list[torch.Tensor]:
+        """Of `grad_tensors()`, the whole gradients of this rank's experts, in a mode that
+        does not shard them (ddp): its EP group's ranks hold different experts. Sharded
+        modes hold slices of every parameter, experts included: []."""
+        return []
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -34,6 +34,7 @@ from trainer.comm.groups import Mesh
 from trainer.errors import ConfigError
 from trainer.materialize import Source, swap_into
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
+from trainer.parallel.experts import ExpertPlan
 from trainer.parallel.pieces import ShardGroup
 from trainer.parallel.schedule import Schedule
 from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
@@ -70,18 +71,19 @@ class _UnitBuffer(ShardedBuffer):
         self.views = self.layout.views(self.full)
         self.empty = self.full.new_empty(0)
         self.gather: comm.Handle | None = None  # AllGather in flight into `full`
+        self.gather_group: Any = None  # the twin of its shard group, set by the engine
 
     @property
     def is_full(self) -> bool:  # gathered, or being gathered
         return self.full.untyped_storage().nbytes() > 0
 
-    def unshard(self, group: Any) -> None:
+    def unshard(self) -> None:
         """Launch the AllGather of the full parameters, unless they are there already."""
         if self.is_full:
             return
         self.full.untyped_storage().resize_(self.nbytes)
         mine = self.master.detach().to(self.full.dtype)  # a cast copy in mixed precision
-        self.gather = comm.all_gather(self.full, mine, tag=self.tag, group=group)
+        self.gather = comm.all_gather(self.full, mine, tag=self.tag, group=self.gather_group)
 
     def wait(self) -> None:
         """The AllGather done: the parameters point into `full` again."""
@@ -115,24 +117,36 @@ class _Unit:
         mp: Precision,
         param_options: ParamGroupFn | None,
         device: torch.device,
+        experts: ExpertPlan | None = None,
     ):
         self.tag, self.name, self.module = tag, plan.name or "<root>", plan.module
         self.params = [p for _, p in plan.params]
         if len({(p.dtype, p.device) for p in self.params}) > 1:
             names = [n for n, _ in plan.params]
             raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {names}")
-        groups = split_by_options(plan.params, param_options)
+        # The unit's expert parameters ([Note: expert parameters in every mode] in
+        # experts.py) are buffers of their own, sharded over the EDP group; gathered,
+        # freed and reduced with the unit's other buffers.
+        is_expert = experts.holds if experts is not None else lambda p: False
+        dense = [(n, p) for n, p in plan.params if not is_expert(p)]
+        expert = [(n, p) for n, p in plan.params if is_expert(p)]
+        groups = [("", opts, pairs, mesh) for opts, pairs in split_by_options(dense, param_options)]
+        if expert:
+            groups += [
+                ("experts", opts, pairs, experts.groups.edp_mesh)
+                for opts, pairs in split_by_options(expert, param_options)
+            ]
         self.flat_buffers = [
             _UnitBuffer(
                 tag if i == 0 else f"{tag}.{i}",
                 pairs,
                 [used.index[id(p)] for _, p in pairs],
                 opts,
-                mesh,
+                group_mesh,
                 mp,
                 device=device,
             )
-            for i, (opts, pairs) in enumerate(groups)
+            for i, (_, opts, pairs, group_mesh) in enumerate(groups)
         ]
         self.ready = 0  # parameters whose gradient arrived in this backward
         self.expected = len(self.params)  # of them, those this rank's forward reached
@@ -176,10 +190,11 @@ class FSDPEngine(Engine):
         shard_group_size: int | None = None,
         source: Source | None = None,
         device: torch.device | None = None,
+        experts: ExpertPlan | None = None,
     ):
         # rank 0's initial values reach every rank before sharding (a model built on meta:
         # every rank reads or draws the same values from `source`)
-        super().__init__(module, precision, scaler, device)
+        super().__init__(module, precision, scaler, device, experts=experts)
         self.mesh = comm_groups.mesh(shard_group_size)  # [Note: hybrid sharding]
         self.reshard_after_forward = reshard_after_forward
         classes = DEFAULT_UNIT_CLASSES if unit_classes is None else tuple(unit_classes)
@@ -191,10 +206,13 @@ class FSDPEngine(Engine):
         self.units = []
         for tag, plan in zip(tags, plans, strict=True):  # one unit allocated at a time
             unit = _Unit(
-                tag, plan, self._used, self.mesh, self.precision, param_options, self.device
-            )
+                tag, plan, self._used, self.mesh, self.precision, param_options, self.device,
+                experts,
+            )  # fmt: skip
             if source is not None:  # built on meta: this rank's slices, nothing more
-                requests = [r for b in unit.flat_buffers for r in b.slice_requests()]
+                # (expert parameters got their rows before the engine was built)
+                on_meta = [b for b in unit.flat_buffers if b.params[0].is_meta]
+                requests = [r for b in on_meta for r in b.slice_requests()]
                 source.fill(module, [], requests, self.device)
             for b in unit.flat_buffers:
                 b.free()
@@ -203,10 +221,11 @@ class FSDPEngine(Engine):
             self._cast_module()
         self.root = self.units[0]
         # The root is reduced last, from the end-of-backward callback; its first buffer
-        # carries the used-flags (a root without trainable parameters sends them in one
+        # over all ranks carries the used-flags (a root without one sends them in one
         # small AllReduce of their own).
-        if self.root.flat_buffers:
-            self.root.flat_buffers[0].n_flags = len(self._used)
+        self._flags_buffer = next((b for b in self.root.flat_buffers if b.mesh is self.mesh), None)
+        if self._flags_buffer is not None:
+            self._flags_buffer.n_flags = len(self._used)
         # [Note: one collective order on every rank] in schedule.py
         self._schedule = Schedule(self.units[1:], self._unshard, self._turn)
         self._ran: set[int] = set()  # units that ran in this forward
@@ -221,8 +240,13 @@ class FSDPEngine(Engine):
         # AllGathers on a group of their own: a rank that skips a unit reduces it later in
         # backward than the others, so AllGathers and ReduceScatters interleave
         # differently across ranks, while each kind alone keeps one order.
-        self._gather_group = comm_groups.gather_group(self.mesh.shard)
-        self._reducer = Reducer(self.mesh, self._used)
+        gather_groups = {id(self.mesh): comm_groups.gather_group(self.mesh.shard)}
+        if experts is not None:
+            edp = experts.groups.edp_mesh
+            gather_groups[id(edp)] = comm_groups.gather_group(edp.shard)
+        for buf in self._buffers():
+            buf.gather_group = gather_groups[id(buf.mesh)]
+        self._reducer = Reducer(self._used)
         self._local_grads = LocalGrads()  # full gradients until reduced; no_sync's sums
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
@@ -235,7 +259,7 @@ class FSDPEngine(Engine):
     def _unshard(self, u: _Unit) -> None:
         """Launch the AllGathers of `u`'s full parameters, unless they are there already."""
         for buf in u.flat_buffers:
-            buf.unshard(self._gather_group)
+            buf.unshard()
 
     def _wait(self, u: _Unit) -> None:
         for buf in u.flat_buffers:
@@ -466,7 +490,7 @@ class FSDPEngine(Engine):
             self._reduce(self.root)
         flags = self._reducer.finish()
         if self._sync:
-            if not self.root.flat_buffers and self.world_size > 1:  # no root buffer to ride on
+            if self._flags_buffer is None and self.world_size > 1:  # no root buffer to ride on
                 flags = self._flags_alone()
             unused = self._used.unused_everywhere(flags)
             for buf in self._buffers():
@@ -535,4 +559,7 @@ class FSDPEngine(Engine):
 
     def shard_groups(self) -> list[ShardGroup]:
         # Rank r's slice of each buffer; the optimizer steps its pieces.
-        return [ShardGroup(b.names, b.layout, b.master, b.pieces, True) for b in self._buffers()]
+        return [
+            ShardGroup(b.names, b.layout, b.master, b.pieces, True, b.mesh.shard)
+            for b in self._buffers()
+        ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +46,9 @@ class ShardGroup:
     local: torch.Tensor  # this rank's values: the whole buffer, or its slice [r*S, (r+1)*S)
     pieces: list[Piece]  # what the optimizer steps of it, with their ranges in `local`
     sharded: bool  # True: rank r holds slice r; False: every rank holds all of it
+    # the group sharding it: None for the mode's shard group (all ranks unless hybrid);
+    # expert parameters' is the expert-data-parallel group (parallel/experts.py)
+    group: Any = None
 
 
 def cut(

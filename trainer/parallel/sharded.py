@@ -56,6 +56,7 @@ class ShardedBuffer:
         device: torch.device | None = None,
     ):
         self.tag = tag  # names its collectives in traces and byte counts
+        self.mesh = mesh  # the ranks it is sharded over (experts': the EDP group)
         self.options = options  # optimizer options of every parameter in it
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -151,8 +152,8 @@ class Reducer:
     earlier too ([Note: buckets in order] in buckets.py, [Note: one collective order on
     every rank] in schedule.py)."""
 
-    def __init__(self, mesh: Mesh, used: UsedFlags):
-        self.mesh, self.used = mesh, used
+    def __init__(self, used: UsedFlags):
+        self.used = used
         self.in_flight: list[ShardedBuffer] = []
         self.pending: list[ShardedBuffer] = []  # inputs freed, results not yet taken
 
@@ -163,7 +164,7 @@ class Reducer:
             self.used.fill(b.grad_input.control)
         b.reduced = torch.empty(b.shard_numel + b.n_flags, dtype=b.reduce_dtype, device=b.device)
         b.handle = comm.reduce_scatter(
-            b.reduced, b.grad_input.input, average=True, tag=b.tag, group=self.mesh.shard
+            b.reduced, b.grad_input.input, average=True, tag=b.tag, group=b.mesh.shard
         )
         self.in_flight.append(b)
 
@@ -180,10 +181,8 @@ class Reducer:
         b.handle.wait()
         comm.free_storage(b.grad_input.rows)
         b.grad_input = b.handle = None
-        if self.mesh.replicate is not None:
-            b.handle = comm.all_reduce(
-                b.reduced, average=True, tag=b.tag, group=self.mesh.replicate
-            )
+        if b.mesh.replicate is not None:
+            b.handle = comm.all_reduce(b.reduced, average=True, tag=b.tag, group=b.mesh.replicate)
         self.pending.append(b)
 
     def finish(self) -> torch.Tensor | None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-DEFAULT_UNIT_CLASSES = ("Block", "BasicBlock", "Bottleneck")
+DEFAULT_UNIT_CLASSES = ("Block", "MoEBlock", "BasicBlock", "Bottleneck")
 
 
 @dataclass

@@ -27,9 +27,11 @@ from torch import nn
 
 from trainer import comm
 from trainer.comm import groups as comm_groups
+from trainer.comm.groups import Mesh
 from trainer.flat import bucketize
 from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
+from trainer.parallel.experts import ExpertPlan
 from trainer.parallel.pieces import ShardGroup
 from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.used import UsedFlags
@@ -62,25 +64,39 @@ class ZeroEngine(Engine):
         scaler: LossScaler | None = None,
         param_options: ParamGroupFn | None = None,
         shard_group_size: int | None = None,
+        experts: ExpertPlan | None = None,
     ):
-        super().__init__(module, precision, scaler)
+        super().__init__(module, precision, scaler, experts=experts)
         self.mesh = comm_groups.mesh(shard_group_size)  # [Note: hybrid sharding]
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         names = {id(p): n for n, p in named}
         self._used = UsedFlags([p for _, p in named])  # [Note: used flags] in used.py
+
         # Buckets never mix optimizer groups (a bucket's pieces share a param group): each
         # group is bucketed on its own, so a second group's buckets (e.g. no weight decay:
         # biases and norms of every layer) fill, and launch, only as backward ends.
-        grouped = [
-            (opts, ps)
-            for opts, pairs in split_by_options(named, param_options)
-            for ps in bucketize([p for _, p in pairs], int(bucket_mb * 2**20))
-        ]
+        def buckets_of(pairs: list[tuple[str, nn.Parameter]], mesh: Mesh) -> list:
+            return [
+                (opts, ps, mesh)
+                for opts, group in split_by_options(pairs, param_options)
+                for ps in bucketize([p for _, p in group], int(bucket_mb * 2**20))
+            ]
+
+        # Expert parameters ([Note: expert parameters in every mode] in experts.py) are
+        # bucketed apart and sharded over the EDP group; their buckets launch before the
+        # last dense one, which carries the used-flags over all ranks.
+        is_expert = experts.holds if experts is not None else lambda p: False
+        dense = buckets_of([(n, p) for n, p in named if not is_expert(p)], self.mesh)
+        expert = []
+        if experts is not None:
+            expert_named = [(n, p) for n, p in named if is_expert(p)]
+            expert = buckets_of(expert_named, experts.groups.edp_mesh)
+        grouped = dense[:-1] + expert + dense[-1:]
         self.buckets = []
-        for i, (opts, ps) in enumerate(grouped):
+        for i, (opts, ps, mesh) in enumerate(grouped):
             named_ps = [(names[id(p)], p) for p in ps]
             flags = [self._used.index[id(p)] for p in ps]
-            b = ShardedBuffer(f"bucket{i}", named_ps, flags, opts, self.mesh, self.precision, True)
+            b = ShardedBuffer(f"bucket{i}", named_ps, flags, opts, mesh, self.precision, True)
             # The parameters become views of `full` (the AllGather after each step writes
             # them) at once: their own storages go bucket by bucket, so building never
             # holds a second copy of the model.
@@ -91,7 +107,7 @@ class ZeroEngine(Engine):
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
             self._cast_module()
         self._queue = BucketQueue(self.buckets, names, self._launch, self.name)
-        self._reducer = Reducer(self.mesh, self._used)
+        self._reducer = Reducer(self._used)
         self._local_grads = LocalGrads()  # full gradients until reduced; no_sync's sums
         for b in self.buckets:
             for p in b.params:
@@ -167,7 +183,7 @@ class ZeroEngine(Engine):
         # Launch all, then wait all: the AllGathers overlap each other. Each rank's input
         # is its own slice of the output buffer, so the gather runs in place.
         handles = [
-            comm.all_gather(b.full, b.param_shard, tag=b.tag, group=self.mesh.shard)
+            comm.all_gather(b.full, b.param_shard, tag=b.tag, group=b.mesh.shard)
             for b in self.buckets
         ]
         comm.wait_all(handles)
@@ -207,4 +223,7 @@ class ZeroEngine(Engine):
 
     def shard_groups(self) -> list[ShardGroup]:
         # Rank r's slice of each bucket; the optimizer steps its pieces.
-        return [ShardGroup(b.names, b.layout, b.master, b.pieces, True) for b in self.buckets]
+        return [
+            ShardGroup(b.names, b.layout, b.master, b.pieces, True, b.mesh.shard)
+            for b in self.buckets
+        ]

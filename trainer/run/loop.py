@@ -25,7 +25,7 @@ from trainer.lm import generate, positions, save_model_files
 from trainer.materialize import SeededInit, empty_weights
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
-from trainer.models import accuracy, loss_fn
+from trainer.models import accuracy, aux_loss, loss_fn
 from trainer.optim import lr_scheduler, optimizer_factory, param_options
 from trainer.parallel import build_engine
 from trainer.parallel.engine import Engine
@@ -368,14 +368,19 @@ def forward_backward(
     All but the last run under `engine.no_sync()`, entered before their forward: their
     gradients accumulate locally and the last backward communicates the sum, once. Each
     piece's loss is divided by their number, so the gradients equal those of the whole
-    batch at once. Returns the batch's mean loss and number of correct predictions.
+    batch at once. A model's auxiliary loss (GPT-MoE's load balancing) is added to each
+    piece's loss. Returns the batch's mean loss and number of correct predictions.
     """
     loss_sum = correct = torch.zeros((), device=inputs.device)
     pieces = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
     for i, (x, y) in enumerate(pieces):
         with engine.no_sync() if i < len(pieces) - 1 else nullcontext():
             logits = engine(x)
-            loss = loss_fn(logits, y) / len(pieces)
+            loss = loss_fn(logits, y)
+            aux = aux_loss(engine.module)  # an MoE's load balancing, as the model asks
+            if aux is not None:
+                loss = loss + aux
+            loss = loss / len(pieces)
             engine.backward(loss)
         loss_sum = loss_sum + loss.detach()
         correct = correct + accuracy(logits, y) * y.numel()

@@ -1,0 +1,211 @@
+"""Expert parallelism (trainer/parallel/experts.py) against one process without it.
+
+Every case trains GPT-MoE (4 experts, top-2, an MoE MLP in every block) for a few steps
+through `build_engine(..., expert_parallel=E)` at P ranks, each rank on its slice of the
+global batch, and compares the mean loss of every step and every final weight (the full
+state_dict, experts gathered into their stacked layout) with one process training the
+same model without EP on the same data. The one process computes the loss the P ranks
+define: the mean over the P rank slices of (cross entropy + aux loss) of each slice (the
+load-balancing loss is a per-batch statistic; its mean over ranks is what the ranks
+train). Models are built from the same seed everywhere.
+
+Speed: all cases of one world size run in one process group (`_results`), the ranks
+starting once; a case that raises is recorded and the next one starts.
+
+Tolerances: fp32, SGD (momentum 0.9, lr 0.05) or AdamW with eps=1e-3. Runs differ only
+in summation order: each expert's matmul covers another set of rows (tokens of the E
+ranks of an EP group, not of one slice), gradients are summed over ranks in another
+order, the 1/E and 1/(P/E) factors are powers of two (exact). Relative differences of
+about 1e-7 per operation; 3 steps of SGD (or AdamW, whose step is at most lr/eps = 10
+times a gradient change) keep parameter differences far below atol=1e-5/rtol=1e-4
+(what test_peer_patterns bounds the same way). Top-k routing is discontinuous, but the
+router's margins in this model are far above 1e-6: no token changes expert between runs
+(a change would show as an error of order 1e-2, not a near-miss).
+bf16 runs are a smoke test: loss within 5e-2 of fp32's one process.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from reference import assert_state_close
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.models import GPTMoE, loss_fn
+
+pytestmark = pytest.mark.slow  # starting ranks is most of it
+
+VOCAB, SEQ, STEPS, BATCH = 32, 8, 3, 8
+SIZES = dict(
+    vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, n_experts=4, top_k=2,
+    moe_every=1, aux_loss_coef=0.01,
+)  # fmt: skip
+OPTIMIZERS = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-3),
+}
+FSDP = {"min_unit_params": 1}
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def _model(skew: bool = False, checkpointing: bool = False) -> GPTMoE:
+    torch.manual_seed(0)
+    model = GPTMoE(**SIZES, activation_checkpointing=checkpointing)
+    if skew:  # every token to experts 0 and 1: those of EP position 0 (E=2), 0 and 1 (E=4)
+        with torch.no_grad():
+            for b in model.blocks:
+                b.ln_2.weight.fill_(1e-3)  # ln_2(x) is about its bias: the same for every token
+                b.ln_2.bias.fill_(1.0)
+                w = b.moe.router.weight  # (n_experts, C)
+                w.fill_(-1.0)
+                w[:2] = 1.0
+    return model
+
+
+@functools.cache
+def _reference(skew: bool, optim: str, world: int, accum: int, clip: float) -> dict:
+    """One process, no EP, the loss the P ranks define (module docstring)."""
+    model = _model(skew)
+    opt = OPTIMIZERS[optim](model.parameters())
+    losses = []
+    for x, y in _batches():
+        total = 0.0
+        for xr, yr in zip(x.chunk(world), y.chunk(world), strict=True):
+            for xm, ym in zip(xr.chunk(accum), yr.chunk(accum), strict=True):
+                loss = (loss_fn(model(xm), ym) + model.aux_loss) / accum
+                (loss / world).backward()
+                total += loss.item() / world
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _train(env, mode: str, e: int, optim: str = "sgd", accum: int = 1, clip: float = 0.0,
+           skew: bool = False, checkpointing: bool = False, precision: str = "fp32",
+           options: dict | None = None) -> dict:  # fmt: skip
+    from trainer import comm
+    from trainer.parallel import build_engine
+    from trainer.run.loop import forward_backward
+
+    model = _model(skew, checkpointing)
+    opts = dict(options or (FSDP if mode == "fsdp" else {"bucket_mb": 0.0005}))
+    engine = build_engine(
+        model, mode, OPTIMIZERS[optim], precision=precision, expert_parallel=e, **opts
+    )
+    p, r = env.world_size, env.rank
+    # what this rank holds of the experts, as live tensors: parameters (ddp, zero keep
+    # theirs whole; storages counted once) and the values the optimizer steps
+    is_expert = {id(q) for n, q in model.named_parameters() if ".experts." in n}
+    storages = {
+        q.untyped_storage().data_ptr(): q.untyped_storage().nbytes()
+        for q in model.parameters()
+        if id(q) in is_expert
+    }
+    held = {
+        "params": sum(storages.values()) // 4,
+        "stepped": sum(g.local.numel() for g in engine.shard_groups() if ".experts." in g.names[0]),
+    }
+    losses = []
+    for x, y in _batches():
+        loss, _ = forward_backward(engine, x.chunk(p)[r], y.chunk(p)[r], accum)
+        if clip:
+            engine.clip_grad_norm_(clip)
+        engine.step()
+        total = loss.detach().reshape(1).clone()
+        comm.all_reduce(total, average=True).wait()
+        losses.append(total.item())
+    state = engine.full_state_dict()
+    return {"losses": losses, "state": state if r == 0 else None, "held": held}
+
+
+# name: (P, keyword arguments of _train)
+CASES: dict[str, tuple[int, dict[str, Any]]] = {}
+for _p in (2, 4):
+    for _e in sorted({2, _p}):
+        for _mode in ("ddp", "zero", "fsdp"):
+            CASES[f"{_mode}-p{_p}-e{_e}"] = (_p, {"mode": _mode, "e": _e})
+CASES.update({
+    "ddp-p4-e2-adamw": (4, {"mode": "ddp", "e": 2, "optim": "adamw"}),
+    "fsdp-p4-e2-adamw": (4, {"mode": "fsdp", "e": 2, "optim": "adamw"}),
+    "ddp-p2-e2-accum": (2, {"mode": "ddp", "e": 2, "accum": 2}),
+    "zero-p4-e2-accum": (4, {"mode": "zero", "e": 2, "accum": 2}),
+    "fsdp-p4-e2-accum": (4, {"mode": "fsdp", "e": 2, "accum": 2}),
+    "ddp-p4-e2-clip": (4, {"mode": "ddp", "e": 2, "clip": 0.05}),
+    "zero-p4-e4-clip": (4, {"mode": "zero", "e": 4, "clip": 0.05}),
+    "fsdp-p4-e2-clip": (4, {"mode": "fsdp", "e": 2, "clip": 0.05}),
+    "ddp-p2-e2-ckpt": (2, {"mode": "ddp", "e": 2, "checkpointing": True}),
+    "fsdp-p4-e2-ckpt": (4, {"mode": "fsdp", "e": 2, "checkpointing": True}),
+    "ddp-p2-e2-skew": (2, {"mode": "ddp", "e": 2, "skew": True}),
+    "fsdp-p4-e4-skew": (4, {"mode": "fsdp", "e": 4, "skew": True}),
+    "zero-p4-e2-skew": (4, {"mode": "zero", "e": 2, "skew": True}),
+})  # fmt: skip
+
+
+def _run_cases(env, names: list[str]) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = _train(env, **CASES[name][1])
+        except Exception:
+            out[name] = traceback.format_exc()
+    return out
+
+
+@functools.cache
+def _results(world: int) -> list[dict[str, Any]]:
+    names = [n for n, (p, _) in CASES.items() if p == world]
+    return run_distributed(_run_cases, world, names, timeout=900, pg_timeout_s=60)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_equal_to_one_process(name: str) -> None:
+    world, kw = CASES[name]
+    got = [r[name] for r in _results(world)]
+    for g in got:
+        assert not isinstance(g, str), g
+    want = _reference(
+        kw.get("skew", False),
+        kw.get("optim", "sgd"),
+        world,
+        kw.get("accum", 1),
+        kw.get("clip", 0.0),
+    )
+    torch.testing.assert_close(got[0]["losses"], want["losses"], atol=1e-5, rtol=1e-4)
+    assert_state_close(got[0]["state"], want["state"])
+
+
+def _expert_numel() -> int:
+    return sum(q.numel() for n, q in _model().named_parameters() if ".experts." in n)
+
+
+@pytest.mark.parametrize("name", ["ddp-p4-e2", "zero-p4-e2", "fsdp-p4-e2", "zero-p4-e4"])
+def test_expert_memory(name: str) -> None:
+    """Each rank keeps 1/E of the expert parameters (ddp and zero: as parameters; fsdp
+    only as its slice), and steps 1/E (ddp) or 1/P (zero, fsdp: sharded over the P/E
+    ranks of the EDP group) of them, measured on the live tensors."""
+    world, kw = CASES[name]
+    total, e = _expert_numel(), kw["e"]
+    for r in _results(world):
+        held = r[name]["held"]
+        if kw["mode"] != "fsdp":  # fsdp's parameters are freed between steps
+            assert held["params"] == total // e
+        share = e if kw["mode"] == "ddp" else world
+        # zero and fsdp pad each flat buffer to a multiple of P/E: a few elements
+        assert total // share <= held["stepped"] <= total // share + 2 * world

@@ -1,0 +1,256 @@
+"""Expert parallelism: each rank holds n_experts / E of every MoE layer's experts, and
+tokens travel to the rank of the experts their router picked, then back.
+
+    route (every rank, its own tokens)            top-k experts and weights per token
+    counts  AllToAll(per-expert counts)           how many rows each rank will send me
+            one host read of the split sizes      (counted: host.tolist)
+    tokens  AllToAll(rows, uneven splits)         rows grouped by source rank, then expert
+            permute to expert order, run every local expert (zero rows too), permute back
+    back    AllToAll(results, splits reversed)    each rank gets its rows' results
+    combine weighted sum of each token's k results
+
+Backward is the reverse: the gradient of `back` goes through a tokens-shaped AllToAll and
+the gradient of `tokens` through a back-shaped one (`_AllToAll`, an autograd function
+over trainer.comm, so bytes are counted and the test hooks see them; on CUDA they run on
+the comm stream). Three AllToAlls per MoE layer in forward, two in backward, over the
+layer's EP group only ([Note: expert parallel groups] in comm/groups.py).
+
+[Note: expert parameters in every mode]
+An experts module is one whose direct parameters are stacked over experts: leading
+dimension `num_experts` (our GPT-MoE's `Experts`, transformers' `*Experts` classes). With
+`mode.expert_parallel=E` each rank keeps rows [r*n/E, (r+1)*n/E) of them, r its position
+in its EP group, and the modes treat them as they treat every parameter, over the EDP
+group instead of all ranks: ddp AllReduces their buckets there, zero ReduceScatters and
+AllGathers their buckets there, fsdp shards each unit's experts there and gathers them
+with the unit. Dense parameters are handled over all P ranks as always.
+
+[Note: expert gradient scale]
+The loss is the mean over the P ranks of each rank's loss. An expert's gradient on its
+rank is, through the backward AllToAlls, the sum of the gradients of the E losses of the
+EP group's ranks (the tokens it served came from them). Averaging that over the P/E
+ranks of the EDP group would give E times the true gradient (DeepSpeed #5618/#6545,
+pytorch#160285): each expert parameter's gradient is divided by E where it is produced
+(a tensor hook, before it accumulates), and the EDP average divides by P/E: 1/P in all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from trainer import comm, host
+from trainer.comm.groups import ExpertGroups, check_expert_parallel, expert_groups
+from trainer.errors import ConfigError
+from trainer.materialize import Request, Source, param_owners, swap_into
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an experts module's experts live: which ones this rank holds and the EP
+    group that exchanges tokens. Set on the module as `module.placement` (None: one
+    process holds all of them, no collectives)."""
+
+    group: torch.distributed.ProcessGroup
+    size: int  # E: ranks of the EP group
+    rank: int  # this rank's position in it
+    n_experts: int  # experts of the layer, on all E ranks together
+    n_local: int  # n_experts / E, held here
+
+    @property
+    def first(self) -> int:
+        """Global id of this rank's first expert."""
+        return self.rank * self.n_local
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Experts modules ([Note: expert parameters in every mode]): an integer
+    `num_experts` and every direct parameter stacked over them."""
+    found = []
+    for name, m in model.named_modules():
+        n = getattr(m, "num_experts", None)
+        own = [p for p in m._parameters.values() if p is not None]
+        if (
+            isinstance(n, int)
+            and n > 0
+            and own
+            and all(p.dim() >= 1 and p.shape[0] == n for p in own)
+        ):
+            found.append((name, m))
+    return found
+
+
+@dataclass
+class ExpertPlan:
+    """What expert parallelism does to a model: its experts modules, their parameters
+    (by name, as `model.named_parameters()` lists them) and the groups."""
+
+    groups: ExpertGroups
+    modules: list[tuple[str, nn.Module]]
+    names: list[str]
+    params: list[nn.Parameter]
+    full_shapes: dict[str, torch.Size]  # each expert parameter's shape over all experts
+
+    def __post_init__(self) -> None:
+        self.ids = {id(p) for p in self.params}
+
+    def holds(self, p: Tensor) -> bool:
+        """Whether `p` is an expert parameter (sharded over EP, reduced over EDP)."""
+        return id(p) in self.ids
+
+
+def plan(model: nn.Module, e: int, shard_group_size: int | None = None) -> ExpertPlan | None:
+    """The plan for `mode.expert_parallel=E`; None for E = 1 (experts are dense
+    parameters then). Refuses in one line a value that divides neither the world size
+    nor every layer's number of experts, a model without experts, and hybrid sharding."""
+    p = comm.world_size()
+    modules = expert_modules(model)
+    if e == 1 and not isinstance(e, bool):
+        return None
+    check_expert_parallel(e, p, modules[0][1].num_experts if modules else 1)
+    if not modules:
+        raise ConfigError(
+            f"mode.expert_parallel={e!r} needs a model with MoE layers (model=gpt_moe, or a "
+            "Hugging Face MoE model); this model has no experts module: use 1"
+        )
+    for n in sorted({m.num_experts for _, m in modules}):
+        check_expert_parallel(e, p, n)
+    if shard_group_size is not None and shard_group_size != p:
+        raise ConfigError(
+            f"mode.expert_parallel={e} with mode.shard_group_size={shard_group_size}: hybrid "
+            "sharding with expert parallelism is not supported; set one of them to null/1"
+        )
+    groups = expert_groups(e)
+    owned = {id(m) for _, m in modules}
+    owners = param_owners(model)  # as model.named_parameters() names them
+    by_module = {name: m for name, m in modules}
+    named = [
+        (n, q) for n, q in model.named_parameters() if id(by_module.get(owners[id(q)][0])) in owned
+    ]
+    shapes = {n: q.shape for n, q in named}
+    return ExpertPlan(groups, modules, [n for n, _ in named], [q for _, q in named], shapes)
+
+
+def shard(model: nn.Module, ep: ExpertPlan, source: Source | None, device: torch.device) -> None:
+    """Keep this rank's rows of every expert parameter: sliced from the full values (a
+    model built ordinarily, the same on every rank after build_engine's broadcast), or
+    read from `source` for those rows only (a model built on meta: a Pretrained source
+    reads only these experts' tensors). Sets each experts module's `placement`."""
+    g = ep.groups
+    requests, local = [], []
+    for name, p in zip(ep.names, ep.params, strict=True):
+        n_local = p.shape[0] // g.ep_size
+        lo, hi = g.ep_rank * n_local, (g.ep_rank + 1) * n_local
+        if p.is_meta:
+            row = p[0].numel()
+            values = torch.empty((n_local, *p.shape[1:]), dtype=p.dtype, device=device)
+            requests.append(Request(name, p, lo * row, hi * row, values.view(-1)))
+        else:
+            values = p.detach()[lo:hi].clone()
+        local.append(values)
+    if requests:
+        if source is None:
+            raise ConfigError("expert parameters on the meta device need a source")
+        source.fill(model, [], requests, device)
+    for p, values in zip(ep.params, local, strict=True):
+        swap_into(p, values)
+    for _, m in ep.modules:
+        m.placement = Placement(
+            g.ep, g.ep_size, g.ep_rank, m.num_experts, m.num_experts // g.ep_size
+        )
+
+
+def scale_gradients(ep: ExpertPlan) -> None:
+    """Divide each expert parameter's gradient by E as it is produced ([Note: expert
+    gradient scale])."""
+    e = ep.groups.ep_size
+    for p in ep.params:
+        p.register_hook(lambda grad: grad / e)
+
+
+# ---------------------------------------------------------------------------------------
+# Dispatch and combine
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the ranks of the EP group by uneven splits; backward sends the gradient
+    rows back the way they came (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group, tag: str):
+        ctx.splits, ctx.group, ctx.tag = (out_splits, in_splits), group, tag
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, tag=tag, group=group).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out_splits, in_splits = ctx.splits
+        g = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        handle = comm.all_to_all(
+            g, grad.contiguous(), in_splits, out_splits, tag=f"{ctx.tag}.grad", group=ctx.group
+        )
+        handle.wait()
+        return g, None, None, None, None
+
+
+# run_local(rows, counts): rows (N, C) grouped by local expert, counts[e] rows each
+RunLocal = Callable[[Tensor, list[int]], Tensor]
+
+
+def dispatch_combine(
+    x: Tensor, top_idx: Tensor, top_w: Tensor, run_local: RunLocal, n_experts: int,
+    placement: Placement | None,
+) -> Tensor:  # fmt: skip
+    """Route each token (x: (T, C)) to its k experts (top_idx, top_w: (T, k)), run them
+    wherever they live, and return the weighted sum of their outputs (T, C).
+
+    Every local expert runs, on zero rows too, and every rank issues the same
+    collectives whatever the counts: no collective depends on a token count."""
+    t, c = x.shape
+    k = top_idx.shape[1]
+    flat = top_idx.reshape(-1)  # (T*k,)
+    order = torch.argsort(flat, stable=True)  # (T*k,) rows grouped by expert
+    token = order // k  # (T*k,) the token each row belongs to
+    counts = torch.bincount(flat, minlength=n_experts)  # (n_experts,)
+    rows = x[token]  # (T*k, C)
+    if placement is None:
+        out = run_local(rows, host.tolist(counts, "expert split sizes"))
+    else:
+        out = _exchange(rows, counts, run_local, placement)  # (T*k, C)
+    weights = top_w.reshape(-1)[order].to(out.dtype)  # (T*k,)
+    y = x.new_zeros((t, c), dtype=out.dtype)
+    return y.index_add(0, token, out * weights[:, None])  # (T, C)
+
+
+def _exchange(rows: Tensor, counts: Tensor, run_local: RunLocal, pl: Placement) -> Tensor:
+    """rows (T*k, C) sorted by global expert -> their experts' outputs, same order."""
+    e, nl = pl.size, pl.n_local
+    received = torch.empty_like(counts)  # (E * n_local,): each source's counts for mine
+    comm.all_to_all(received, counts, tag="moe.counts", group=pl.group).wait()
+    # The one host read of the layer: the split sizes of both AllToAlls.
+    sizes = host.tolist(torch.cat([counts, received]), "expert split sizes")
+    send, recv = sizes[: e * nl], sizes[e * nl :]
+    in_splits = [sum(send[j * nl : (j + 1) * nl]) for j in range(e)]  # to each rank
+    out_splits = [sum(recv[s * nl : (s + 1) * nl]) for s in range(e)]  # from each rank
+    got = _AllToAll.apply(rows, out_splits, in_splits, pl.group, "moe.tokens")
+    index = _expert_major(recv, e, nl).to(rows.device)  # a copy to the device, not a read
+    local_counts = [sum(recv[s * nl + j] for s in range(e)) for j in range(nl)]
+    out = run_local(got[index], local_counts)  # (R, C) expert-major
+    back = torch.empty_like(out).index_copy(0, index, out)  # source-major again
+    return _AllToAll.apply(back, in_splits, out_splits, pl.group, "moe.back")
+
+
+def _expert_major(recv: list[int], e: int, nl: int) -> Tensor:
+    """Received rows come source-major (source s's rows for my expert 0, 1, ...); the
+    experts want them expert-major. Returns, expert by expert and source by source, the
+    positions of the rows in the received order (computed on the host, from the sizes
+    read already)."""
+    sizes = torch.tensor(recv, dtype=torch.long).view(e, nl)  # (E, n_local)
+    starts = (sizes.flatten().cumsum(0) - sizes.flatten()).view(e, nl)  # where each lies
+    lengths, firsts = sizes.t().flatten(), starts.t().flatten()  # (n_local * E,) expert-major
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)  # segment of each row
+    within = torch.arange(seg.numel()) - (lengths.cumsum(0) - lengths)[seg]
+    return firsts[seg] + within
