@@ -34,9 +34,7 @@ import pytest
 import torch
 from dist_harness import run_distributed
 from reference import assert_state_close
-from torch import nn
 
-from trainer.errors import ConfigError
 from trainer.models import GPTMoE, loss_fn
 
 pytestmark = pytest.mark.slow  # starting ranks is most of it
