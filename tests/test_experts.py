@@ -35,6 +35,7 @@ import torch
 from dist_harness import run_distributed
 from reference import assert_state_close
 
+from trainer.errors import ConfigError
 from trainer.models import GPTMoE, loss_fn
 
 pytestmark = pytest.mark.slow  # starting ranks is most of it
@@ -130,7 +131,8 @@ def _train(env, mode: str, e: int, optim: str = "sgd", accum: int = 1, clip: flo
         comm.all_reduce(total, average=True).wait()
         losses.append(total.item())
     state = engine.full_state_dict()
-    return {"losses": losses, "state": state if r == 0 else None, "held": held}
+    loads = [b.moe.load.tolist() for b in model.blocks]  # the last forward's, this rank
+    return {"losses": losses, "state": state if r == 0 else None, "held": held, "loads": loads}
 
 
 # name: (P, keyword arguments of _train)
@@ -156,11 +158,118 @@ CASES.update({
 })  # fmt: skip
 
 
+def _first_grads(env, mode: str, e: int) -> dict[str, torch.Tensor]:
+    """The expert gradients after one backward, gathered into the stacked layout (ddp
+    keeps them whole; E ranks hold one slice each)."""
+    from trainer import comm
+    from trainer.parallel import build_engine
+    from trainer.run.loop import forward_backward
+
+    model = _model()
+    engine = build_engine(model, mode, OPTIMIZERS["sgd"], expert_parallel=e)
+    x, y = _batches()[0]
+    p, r = env.world_size, env.rank
+    forward_backward(engine, x.chunk(p)[r], y.chunk(p)[r], 1)
+    out = {}
+    for name, q in model.named_parameters():
+        if ".experts." in name:
+            g = q.grad.contiguous()
+            whole = g.new_empty((e * g.numel(),))
+            ep = engine.experts.groups.ep if engine.experts is not None else None
+            if e > 1:
+                comm.all_gather(whole, g.view(-1), group=ep).wait()
+            else:
+                whole = g.reshape(-1)
+            out[name] = whole.view(e * g.shape[0], *g.shape[1:])
+    return out
+
+
+def _traces(env, mode: str, e: int) -> dict[str, Any]:
+    """Collectives of one forward and one backward: (op, tag, ranks of its group)."""
+    from trainer import comm
+    from trainer.parallel import build_engine
+    from trainer.run.loop import forward_backward
+
+    model = _model()
+    opts = FSDP if mode == "fsdp" else {}
+    engine = build_engine(model, mode, OPTIMIZERS["sgd"], expert_parallel=e, **opts)
+    x, y = _batches()[0]
+    p, r = env.world_size, env.rank
+    with comm.tracing() as trace, comm.membership() as members:
+        forward_backward(engine, x.chunk(p)[r], y.chunk(p)[r], 1)
+    launches = [(ev[len("launch:") :], tag) for ev, tag in trace if ev.startswith("launch:")]
+    assert len(launches) == len(members)
+    return {
+        "calls": [
+            (op, tag, ranks) for (op, tag), (_, ranks) in zip(launches, members, strict=True)
+        ],
+        "forward_a2a": _forward_a2a(engine, x.chunk(p)[r]),
+    }
+
+
+def _forward_a2a(engine, x: torch.Tensor) -> int:
+    from trainer import comm
+
+    with comm.tracing() as trace, torch.no_grad():
+        engine(x)
+    return sum(ev == "launch:all_to_all" for ev, _ in trace)
+
+
+def _host_reads(env) -> int:
+    """Host reads of one forward/backward at E=2: one per MoE layer."""
+    from trainer import host
+    from trainer.parallel import build_engine
+    from trainer.run.loop import forward_backward
+
+    engine = build_engine(_model(), "ddp", OPTIMIZERS["sgd"], expert_parallel=2)
+    x, y = _batches()[0]
+    p, r = env.world_size, env.rank
+    with host.counting() as reads:
+        forward_backward(engine, x.chunk(p)[r], y.chunk(p)[r], 1)
+    return reads.where
+
+
+def _refusals(env) -> list[str]:
+    """What build_engine says to bad values, each a one-line ConfigError."""
+    from trainer.models import GPT
+    from trainer.parallel import build_engine
+
+    said = []
+    for build, mode, kw in [
+        (_model, "ddp", {"expert_parallel": 3}),  # divides neither P=4 nor 4 experts
+        (lambda: GPTMoE(**{**SIZES, "n_experts": 2}), "ddp", {"expert_parallel": 4}),
+        (lambda: GPT(vocab_size=VOCAB, block_size=SEQ, n_embd=16), "ddp", {"expert_parallel": 2}),
+        (_model, "zero", {"expert_parallel": 2, "shard_group_size": 2}),
+    ]:
+        try:
+            build_engine(build(), mode, OPTIMIZERS["sgd"], **kw)
+            said.append("accepted")
+        except ConfigError as err:
+            said.append(str(err))
+    return said
+
+
+PROBES = {
+    "grads-ddp-e1": (4, functools.partial(_first_grads, mode="ddp", e=1)),
+    "grads-ddp-e2": (4, functools.partial(_first_grads, mode="ddp", e=2)),
+    "grads-ddp-e4": (4, functools.partial(_first_grads, mode="ddp", e=4)),
+    "traces-ddp": (4, functools.partial(_traces, mode="ddp", e=2)),
+    "traces-zero": (4, functools.partial(_traces, mode="zero", e=2)),
+    "traces-fsdp": (4, functools.partial(_traces, mode="fsdp", e=2)),
+    "host-reads": (2, _host_reads),
+    "refusals": (4, _refusals),
+    "bf16": (2, functools.partial(_train, mode="fsdp", e=2, precision="bf16")),
+}
+
+
 def _run_cases(env, names: list[str]) -> dict[str, Any]:
     out = {}
     for name in names:
         try:
-            out[name] = _train(env, **CASES[name][1])
+            if name in PROBES:
+                out[name] = PROBES[name][1](env)
+            else:
+                out[name] = _train(env, **CASES[name][1])
         except Exception:
             out[name] = traceback.format_exc()
     return out
@@ -168,16 +277,22 @@ def _run_cases(env, names: list[str]) -> dict[str, Any]:
 
 @functools.cache
 def _results(world: int) -> list[dict[str, Any]]:
-    names = [n for n, (p, _) in CASES.items() if p == world]
+    names = [n for n, (p, _) in {**CASES, **PROBES}.items() if p == world]
     return run_distributed(_run_cases, world, names, timeout=900, pg_timeout_s=60)
+
+
+def _got(name: str) -> list[Any]:
+    world = {**CASES, **PROBES}[name][0]
+    got = [r[name] for r in _results(world)]
+    for g in got:
+        assert not isinstance(g, str), g
+    return got
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_equal_to_one_process(name: str) -> None:
     world, kw = CASES[name]
-    got = [r[name] for r in _results(world)]
-    for g in got:
-        assert not isinstance(g, str), g
+    got = _got(name)
     want = _reference(
         kw.get("skew", False),
         kw.get("optim", "sgd"),
@@ -187,6 +302,10 @@ def test_equal_to_one_process(name: str) -> None:
     )
     torch.testing.assert_close(got[0]["losses"], want["losses"], atol=1e-5, rtol=1e-4)
     assert_state_close(got[0]["state"], want["state"])
+    if kw.get("skew"):  # the case is what it says: experts 2 and 3 got no token
+        for g in got:
+            for load in g["loads"]:
+                assert load[2:] == [0.0, 0.0] and load[0] > 0 and load[1] > 0
 
 
 def _expert_numel() -> int:
@@ -207,3 +326,76 @@ def test_expert_memory(name: str) -> None:
         share = e if kw["mode"] == "ddp" else world
         # zero and fsdp pad each flat buffer to a multiple of P/E: a few elements
         assert total // share <= held["stepped"] <= total // share + 2 * world
+
+
+def test_expert_gradients_do_not_depend_on_e() -> None:
+    """[Note: expert gradient scale]: divided by P, not by the EDP group size: E = 1, 2,
+    4 give the same expert gradients, equal to one process's."""
+    model = _model()
+    x, y = _batches()[0]
+    for xr, yr in zip(x.chunk(4), y.chunk(4), strict=True):
+        ((loss_fn(model(xr), yr) + model.aux_loss) / 4).backward()
+    want = {n: q.grad for n, q in model.named_parameters() if ".experts." in n}
+    for e in (1, 2, 4):
+        for grads in _got(f"grads-ddp-e{e}"):
+            assert_state_close(grads, want)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_collective_traces(mode: str) -> None:
+    """Three AllToAlls per MoE layer in forward, two in backward, each over the rank's
+    EP group; expert gradients reduced (and, sharded, gathered) over the EDP group only,
+    dense ones over all ranks."""
+    n_moe = SIZES["n_layer"]
+    for rank, got in enumerate(_got(f"traces-{mode}")):
+        ep = tuple(range(rank // 2 * 2, rank // 2 * 2 + 2))
+        edp = (rank % 2, rank % 2 + 2)
+        a2a = [(tag, ranks) for op, tag, ranks in got["calls"] if op == "all_to_all"]
+        assert got["forward_a2a"] == 3 * n_moe
+        assert len(a2a) == 5 * n_moe
+        assert sorted({t for t, _ in a2a}) == [
+            "moe.back", "moe.back.grad", "moe.counts", "moe.tokens", "moe.tokens.grad"
+        ]  # fmt: skip
+        assert {r for _, r in a2a} == {ep}
+        grads = [
+            (op, tag, r) for op, tag, r in got["calls"] if op in ("all_reduce", "reduce_scatter")
+        ]
+        assert grads
+        for op, tag, ranks in grads:
+            assert ranks in (edp, (0, 1, 2, 3)), (op, tag, ranks)
+        expert_reductions = {r for op, tag, r in grads if r == edp}
+        assert expert_reductions, "no reduction over the EDP group"
+
+
+def test_one_host_read_per_moe_layer() -> None:
+    for got in _got("host-reads"):
+        assert got == ["expert split sizes"] * SIZES["n_layer"]
+
+
+def test_refusals_are_one_line() -> None:
+    said = _got("refusals")[0]
+    assert (
+        "mode.expert_parallel=3 must divide the world size 4 and the number of experts 4" in said[0]
+    )
+    assert "use one of 1, 2, 4" in said[0]
+    assert "number of experts 2: use one of 1, 2" in said[1]
+    assert "no experts module" in said[2]
+    assert "hybrid sharding with expert parallelism" in said[3]
+    assert all("\n" not in s for s in said)
+
+
+def test_bf16_smoke() -> None:
+    """bf16 compute with fp32 masters: trains, loss close to fp32's one process."""
+    want = _reference(False, "sgd", 2, 1, 0.0)["losses"]
+    got = _got("bf16")[0]["losses"]
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+
+
+def test_config_refuses_bad_expert_parallel() -> None:
+    from trainer.comm.groups import check_expert_parallel
+
+    with pytest.raises(ConfigError, match="must divide the world size 4: use one of 1, 2, 4"):
+        check_expert_parallel(3, 4)
+    with pytest.raises(ConfigError, match="expert_parallel=True"):
+        check_expert_parallel(True, 4, 8)
+    check_expert_parallel(2, 4, 8)

@@ -109,8 +109,8 @@ def plan(model: nn.Module, e: int, shard_group_size: int | None = None) -> Exper
     modules = expert_modules(model)
     if e == 1 and not isinstance(e, bool):
         return None
-    check_expert_parallel(e, p, modules[0][1].num_experts if modules else 1)
     if not modules:
+        check_expert_parallel(e, p)
         raise ConfigError(
             f"mode.expert_parallel={e!r} needs a model with MoE layers (model=gpt_moe, or a "
             "Hugging Face MoE model); this model has no experts module: use 1"

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from trainer.errors import ConfigError
 from trainer.parallel.engine import Engine
 from trainer.parallel.pieces import ShardGroup
 
@@ -42,6 +43,14 @@ def _optimizer_entry(state: dict[Any, dict[str, Any]], g: ShardGroup) -> dict[st
 def shard_layout(engine: Engine) -> dict[str, Any]:
     """Mode, world size and, per group, the parameters' names, shapes and offsets in
     the flat buffer and each rank's range of it: what a checkpoint needs to re-cut."""
+    if engine.experts is not None:
+        # Expert groups hold other rows on every rank of an EP group: no range of one
+        # flat layout describes them. Refused rather than saved or re-cut wrongly.
+        raise ConfigError(
+            f"checkpoints of an expert-parallel engine (mode.expert_parallel="
+            f"{engine.experts.groups.ep_size}) are not supported yet; run with "
+            "mode.expert_parallel=1 to save or resume one"
+        )
     named = dict(engine.module.named_parameters())
     canonical: dict[int, str] = {}
     groups = []
