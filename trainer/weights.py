@@ -58,15 +58,36 @@ class WeightFiles:
             if key not in self._handles[f].keys():
                 raise ConfigError(f"{self.directory / INDEX} maps {key} to {f}, which lacks it")
 
+        self._converted: Conversions | None = None
+
+    def convert_for(self, hf_model: nn.Module) -> None:
+        """Name the files' tensors as `hf_model` names them in memory, by transformers'
+        own conversion rules ([Note: transformers' key conversions]); once."""
+        if self._converted is None:
+            self._converted = Conversions(hf_model, list(self._where), self._file_shape)
+
     def keys(self) -> list[str]:
+        if self._converted is not None:
+            return self._converted.keys()
         return list(self._where)
 
     def shape(self, key: str) -> tuple[int, ...]:
+        if self._converted is not None:
+            return self._converted.shape(key)
+        return self._file_shape(key)
+
+    def _file_shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
     def read(self, key: str, start: int = 0, stop: int | None = None) -> Tensor:
         """Elements [start, stop) of the tensor's flattened values, 1-D, in the file's
-        dtype. Only the rows (first-dimension indices) covering the range are read."""
+        dtype. Only the rows (first-dimension indices) covering the range are read: of a
+        tensor stacked from one tensor per expert, only the experts the range covers."""
+        if self._converted is not None:
+            return self._converted.read(key, start, stop, self._read_file)
+        return self._read_file(key, start, stop)
+
+    def _read_file(self, key: str, start: int = 0, stop: int | None = None) -> Tensor:
         sl = self._slice(key)
         shape = sl.get_shape()
         numel = math.prod(shape)
@@ -96,6 +117,110 @@ class WeightFiles:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# [Note: transformers' key conversions]
+# transformers 5 keeps an MoE layer's experts stacked in memory (Mixtral's
+# `mlp.experts.gate_up_proj` (n, 2F, D)) while checkpoints, its own save_pretrained's
+# included, hold one tensor per expert (`block_sparse_moe.experts.3.w1.weight` (F, D)).
+# from_pretrained converts with rules kept per model family in
+# transformers/conversion_mapping.py: renamings (`.block_sparse_moe.` -> `.mlp.`) and
+# converters (stack the experts' w1 and w3 along a new dimension 0, then concatenate the
+# two along dimension 1). `Conversions` applies the same rules, taken from transformers
+# (`get_model_conversion_mapping`, `rename_source_key`), to the files' keys, and reads a
+# range of a stacked tensor expert by expert: a rank that keeps experts [a, b) reads
+# those experts' tensors and no others. Converters made of other operations than
+# "stack, then concatenate along a later dimension" are refused, naming them.
+
+
+class Conversions:
+    """The files' tensors under the names a Hugging Face model has in memory."""
+
+    def __init__(self, hf_model: nn.Module, file_keys: list[str], file_shape) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            Concatenate,
+            MergeModulelist,
+            WeightConverter,
+            WeightRenaming,
+            apply_renamings,
+            rename_source_key,
+        )
+
+        transforms = get_model_conversion_mapping(hf_model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        known = dict.fromkeys(hf_model.state_dict(), True)
+        prefix = getattr(hf_model, "base_model_prefix", None)
+        self._file_shape = file_shape
+        self.renamed: dict[str, str] = {}  # model key -> file key
+        # model key -> (file keys by source pattern, then by expert; concatenation dim)
+        self.stacked: dict[str, tuple[list[list[str]], int]] = {}
+        parts: dict[str, dict[str, dict[int, str]]] = {}
+        dims: dict[str, int] = {}
+        for key in file_keys:
+            target, pattern = rename_source_key(key, renamings, converters, prefix, known)
+            if pattern is None:
+                self.renamed[target] = key
+                continue
+            conv = next(c for c in converters if pattern in c.source_patterns)
+            ops = conv.operations
+            if not (
+                isinstance(ops[0], MergeModulelist)
+                and ops[0].dim == 0
+                and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate)))
+                and (len(ops) == 1 or ops[1].dim >= 1)
+            ):
+                raise ConfigError(
+                    f"{key} becomes {target} by transformers' conversion {ops}; only stacking "
+                    "experts (then concatenating along a later dimension) is read slice by slice"
+                )
+            dims[target] = ops[1].dim if len(ops) == 2 else 0
+            renamed = apply_renamings(key, renamings)
+            where = re.escape(pattern).replace(r"\*", r"(\d+)")
+            index = int(re.search(where, renamed).group(1))
+            by_pattern = parts.setdefault(target, {p: {} for p in conv.source_patterns})
+            by_pattern[pattern][index] = key
+        for target, by_pattern in parts.items():
+            counts = {len(v) for v in by_pattern.values()}
+            lists = [[v[i] for i in sorted(v)] for v in by_pattern.values() if v]
+            if len(counts) != 1 or any(
+                sorted(v) != list(range(len(v))) for v in by_pattern.values()
+            ):
+                raise ConfigError(
+                    f"{target}: the files hold experts {[sorted(v) for v in by_pattern.values()]}"
+                )
+            self.stacked[target] = (lists, dims[target])
+
+    def keys(self) -> list[str]:
+        return list(self.renamed) + list(self.stacked)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if key in self.renamed:
+            return self._file_shape(self.renamed[key])
+        lists, dim = self.stacked[key]
+        each = [list(self._file_shape(keys[0])) for keys in lists]  # one expert's
+        one = each[0]
+        if dim:
+            one[dim - 1] = sum(s[dim - 1] for s in each)
+        return (len(lists[0]), *one)
+
+    def read(self, key: str, start: int, stop: int | None, read_file) -> Tensor:
+        if key in self.renamed:
+            return read_file(self.renamed[key], start, stop)
+        lists, dim = self.stacked[key]
+        shape = self.shape(key)
+        row = math.prod(shape[1:])
+        stop = math.prod(shape) if stop is None else stop
+        first, end = start // row, -(-stop // row)
+        rows = []
+        for e in range(first, end):  # only the experts the range covers
+            pieces = [read_file(keys[e]).view(self._file_shape(keys[e])) for keys in lists]
+            rows.append(
+                torch.cat(pieces, dim=dim - 1).reshape(-1) if dim else pieces[0].reshape(-1)
+            )
+        flat = torch.cat(rows) if rows else torch.empty(0)
+        return flat[start - first * row : stop - first * row]
 
 
 def _weight_map(directory: Path) -> dict[str, str] | None:
@@ -225,6 +350,8 @@ def _plan(
 ) -> dict[str, str | None]:
     """The model's canonical names -> file key (see Pretrained.check), or a ConfigError."""
     hf = _hf_model(root, prefix)
+    if hf is not None:  # [Note: transformers' key conversions]
+        files.convert_for(hf)
     # Regular expressions, searched in the files' keys, as from_pretrained does.
     missing_ok = list(getattr(hf, "_keys_to_ignore_on_load_missing", None) or [])
     unexpected_ok = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
