@@ -249,6 +249,83 @@ def _refusals(env) -> list[str]:
     return said
 
 
+# ---------------------------------------------------------------------------------------
+# Hugging Face Mixtral by path: a directory written by save_pretrained (one tensor per
+# expert), read slice by slice under EP, trained through transformers' experts interface.
+
+MIXTRAL = dict(
+    vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+    max_position_embeddings=16, output_router_logits=True, router_aux_loss_coef=0.01,
+)  # fmt: skip
+
+
+def _mixtral_dir() -> str:
+    import tempfile
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    directory = tempfile.mkdtemp(prefix="mixtral_")
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(**MIXTRAL)).save_pretrained(directory)
+    return directory
+
+
+def _train_hf(env, directory: str, mode: str, e: int) -> dict:
+    from trainer import comm
+    from trainer.lm import hf_causal_lm
+    from trainer.materialize import empty_weights
+    from trainer.parallel import build_engine
+    from trainer.run.loop import forward_backward
+    from trainer.weights import Pretrained
+
+    with empty_weights():
+        model = hf_causal_lm(directory)
+    source = Pretrained(directory)
+    opts = FSDP if mode == "fsdp" else {}
+    engine = build_engine(
+        model, mode, OPTIMIZERS["sgd"], expert_parallel=e, source=source, device="cpu", **opts
+    )
+    read = source.files.elements_read
+    p, r = env.world_size, env.rank
+    losses = []
+    for x, y in _batches():
+        loss, _ = forward_backward(engine, x.chunk(p)[r], y.chunk(p)[r], 1)
+        engine.step()
+        total = loss.detach().reshape(1).clone()
+        comm.all_reduce(total, average=True).wait()
+        losses.append(total.item())
+    state = engine.full_state_dict()
+    return {"losses": losses, "state": state if r == 0 else None, "read": read}
+
+
+@functools.cache
+def _reference_hf(directory: str, world: int) -> dict:
+    from trainer.lm import hf_causal_lm
+
+    model = hf_causal_lm(directory)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    losses = []
+    for x, y in _batches():
+        total = 0.0
+        for xr, yr in zip(x.chunk(world), y.chunk(world), strict=True):
+            loss = loss_fn(model(xr), yr) + model.aux_loss
+            (loss / world).backward()
+            total += loss.item() / world
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+HF_CASES = {
+    "hf-ddp-p2-e2": (2, {"mode": "ddp", "e": 2}),
+    "hf-zero-p2-e2": (2, {"mode": "zero", "e": 2}),
+    "hf-fsdp-p2-e2": (2, {"mode": "fsdp", "e": 2}),
+    "hf-fsdp-p4-e2": (4, {"mode": "fsdp", "e": 2}),
+    "hf-ddp-p4-e4": (4, {"mode": "ddp", "e": 4}),
+}
+
 PROBES = {
     "grads-ddp-e1": (4, functools.partial(_first_grads, mode="ddp", e=1)),
     "grads-ddp-e2": (4, functools.partial(_first_grads, mode="ddp", e=2)),
@@ -262,12 +339,14 @@ PROBES = {
 }
 
 
-def _run_cases(env, names: list[str]) -> dict[str, Any]:
+def _run_cases(env, names: list[str], hf_dir: str) -> dict[str, Any]:
     out = {}
     for name in names:
         try:
             if name in PROBES:
                 out[name] = PROBES[name][1](env)
+            elif name in HF_CASES:
+                out[name] = _train_hf(env, hf_dir, **HF_CASES[name][1])
             else:
                 out[name] = _train(env, **CASES[name][1])
         except Exception:
@@ -276,13 +355,18 @@ def _run_cases(env, names: list[str]) -> dict[str, Any]:
 
 
 @functools.cache
+def _hf_dir() -> str:
+    return _mixtral_dir()
+
+
+@functools.cache
 def _results(world: int) -> list[dict[str, Any]]:
-    names = [n for n, (p, _) in {**CASES, **PROBES}.items() if p == world]
-    return run_distributed(_run_cases, world, names, timeout=900, pg_timeout_s=60)
+    names = [n for n, (p, _) in {**CASES, **PROBES, **HF_CASES}.items() if p == world]
+    return run_distributed(_run_cases, world, names, _hf_dir(), timeout=900, pg_timeout_s=60)
 
 
 def _got(name: str) -> list[Any]:
-    world = {**CASES, **PROBES}[name][0]
+    world = {**CASES, **PROBES, **HF_CASES}[name][0]
     got = [r[name] for r in _results(world)]
     for g in got:
         assert not isinstance(g, str), g
@@ -399,3 +483,22 @@ def test_config_refuses_bad_expert_parallel() -> None:
     with pytest.raises(ConfigError, match="expert_parallel=True"):
         check_expert_parallel(True, 4, 8)
     check_expert_parallel(2, 4, 8)
+
+
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_mixtral_by_path_equal_to_one_process(name: str) -> None:
+    """A directory from MixtralForCausalLM(cfg).save_pretrained (one tensor per expert)
+    trains with EP in every mode, equal to one process loading it with from_pretrained;
+    each rank read only its experts' tensors (and, in fsdp, only its slices)."""
+    world, kw = HF_CASES[name]
+    got = _got(name)
+    want = _reference_hf(_hf_dir(), world)
+    torch.testing.assert_close(got[0]["losses"], want["losses"], atol=1e-5, rtol=1e-4)
+    assert_state_close(got[0]["state"], want["state"])
+    total = sum(v.numel() for v in want["state"].values())
+    experts = sum(v.numel() for k, v in want["state"].items() if ".experts." in k)
+    for g in got:
+        if kw["mode"] == "fsdp":
+            assert g["read"] < total - experts + experts // kw["e"]
+        else:
+            assert g["read"] == total - experts + experts // kw["e"]

@@ -38,9 +38,18 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         self.weights_dir: Path | None = None  # where pretrained weights are to be read from
+        # An MoE's router loss of the latest forward, times its coefficient, when the
+        # config asks for it (output_router_logits): what HF adds to its loss with labels
+        self.aux_loss: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
+        out = self.hf(input_ids=idx, use_cache=False)
+        aux, coef = (
+            getattr(out, "aux_loss", None),
+            getattr(self.hf.config, "router_aux_loss_coef", 0),
+        )
+        self.aux_loss = coef * aux if aux is not None and coef else None
+        return out.logits  # (B, T, V)
 
     @property
     def block_size(self) -> int | None:

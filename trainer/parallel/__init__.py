@@ -31,6 +31,7 @@ def build_engine(
     param_options: ParamGroupFn | None = None,
     source: Source | None = None,
     device: torch.device | str | None = None,
+    expert_parallel: int = 1,
     **options: Any,
 ) -> Engine:
     """Wrap `model` (fp32) for `mode`; `optimizer` is called with the parameters it should
@@ -49,7 +50,7 @@ def build_engine(
     `materialize.empty_weights()`) takes its values from `source`: `SeededInit(seed)`
     for a fresh init, `Pretrained(dir)` for safetensors weights ([Note: building on
     meta]); `device` is where its state goes (default: its buffers' device, else CPU)."""
-    ep = experts.plan(model, options.pop("expert_parallel", 1), options.get("shard_group_size"))
+    ep = experts.plan(model, expert_parallel, options.get("shard_group_size"))
     mp = Precision.of(precision, reduce_dtype)
     fp16 = mp.param_dtype == torch.float16
     scaler = LossScaler(enabled=fp16, **(loss_scale or {}))

@@ -67,7 +67,10 @@ class Placement:
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Experts modules ([Note: expert parameters in every mode]): an integer
-    `num_experts` and every direct parameter stacked over them."""
+    `num_experts`, every direct parameter stacked over them, and a forward that expert
+    parallelism can take over: ours (a `placement` attribute: GPT-MoE's `Experts`) or
+    one behind transformers' experts interface (`@use_experts_implementation`, which
+    gives it `is_concatenated`). A router's weight (n, C) is stacked too: it has neither."""
     found = []
     for name, m in model.named_modules():
         n = getattr(m, "num_experts", None)
@@ -77,9 +80,15 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and n > 0
             and own
             and all(p.dim() >= 1 and p.shape[0] == n for p in own)
+            and (hasattr(m, "placement") or _hf_interface(m))
         ):
             found.append((name, m))
     return found
+
+
+def _hf_interface(m: nn.Module) -> bool:
+    """Whether `m` is a transformers experts class behind its experts interface."""
+    return hasattr(m, "is_concatenated") and hasattr(m, "config")
 
 
 @dataclass
@@ -157,6 +166,8 @@ def shard(model: nn.Module, ep: ExpertPlan, source: Source | None, device: torch
     for p, values in zip(ep.params, local, strict=True):
         swap_into(p, values)
     for _, m in ep.modules:
+        if _hf_interface(m):
+            use_ep_implementation(m)
         m.placement = Placement(
             g.ep, g.ep_size, g.ep_rank, m.num_experts, m.num_experts // g.ep_size
         )
@@ -254,3 +265,57 @@ def _expert_major(recv: list[int], e: int, nl: int) -> Tensor:
     seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)  # segment of each row
     within = torch.arange(seg.numel()) - (lengths.cumsum(0) - lengths)[seg]
     return firsts[seg] + within
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face experts: transformers' experts interface
+
+# [Note: Hugging Face experts under expert parallelism]
+# transformers 5 puts the experts of 67 MoE families behind one interface: the class is
+# decorated with `@use_experts_implementation`, and its forward(hidden_states (T, C),
+# top_k_index (T, k), top_k_weights (T, k)) looks up `config._experts_implementation` in
+# `ALL_EXPERTS_FUNCTIONS`, where a function can be registered by name. EP_IMPLEMENTATION
+# is ours: `dispatch_combine` sends each token to the rank of its experts, and there the
+# class's own forward (transformers' eager expert math: gate/up, activation, down) runs
+# on the received rows, each row given its local expert id and weight 1; the routing
+# weights are applied when the rows come back. HF's eager forward skips an expert that
+# got no row, so a rank that received none for some expert adds a zero times the sum of
+# its expert parameters: every expert gets a gradient, zero where it saw no token.
+EP_IMPLEMENTATION = "shardtrain_expert_parallel"
+
+
+def _ep_experts_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """The registered experts forward ([Note: Hugging Face experts under expert
+    parallelism])."""
+    own_forward = type(self).forward.__wrapped__  # the class's forward, under the interface
+
+    def run_local(rows: Tensor, counts: list[int]) -> Tensor:
+        ids = torch.repeat_interleave(
+            torch.arange(len(counts), device=rows.device),
+            torch.tensor(counts, device=rows.device),
+        )  # (N,) the local expert of each row
+        out = own_forward(self, rows, ids[:, None], rows.new_ones((rows.shape[0], 1)))
+        if 0 in counts:
+            untouched = sum(p.sum() for p in self._parameters.values() if p is not None)
+            out = out + 0.0 * untouched
+        return out  # (N, C)
+
+    return dispatch_combine(
+        hidden_states, top_k_index, top_k_weights, run_local, self.num_experts, self.placement
+    )
+
+
+def use_ep_implementation(module: nn.Module) -> None:
+    """Register EP_IMPLEMENTATION with transformers and make `module`'s config use it."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if EP_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(EP_IMPLEMENTATION, _ep_experts_forward)
+    if not hasattr(type(module).forward, "__wrapped__"):
+        raise ConfigError(
+            f"{type(module).__name__}: its forward is not transformers' experts interface "
+            "(@use_experts_implementation); expert parallelism cannot run it"
+        )
+    module.config._experts_implementation = EP_IMPLEMENTATION

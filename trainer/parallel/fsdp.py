@@ -121,15 +121,17 @@ class _Unit:
     ):
         self.tag, self.name, self.module = tag, plan.name or "<root>", plan.module
         self.params = [p for _, p in plan.params]
-        if len({(p.dtype, p.device) for p in self.params}) > 1:
-            names = [n for n, _ in plan.params]
-            raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {names}")
         # The unit's expert parameters ([Note: expert parameters in every mode] in
         # experts.py) are buffers of their own, sharded over the EDP group; gathered,
-        # freed and reduced with the unit's other buffers.
+        # freed and reduced with the unit's other buffers. (Built on meta, they have
+        # their rows already while the others are still on meta.)
         is_expert = experts.holds if experts is not None else lambda p: False
         dense = [(n, p) for n, p in plan.params if not is_expert(p)]
         expert = [(n, p) for n, p in plan.params if is_expert(p)]
+        for part in (dense, expert):
+            if len({(p.dtype, p.device) for _, p in part}) > 1:
+                names = [n for n, _ in part]
+                raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {names}")
         groups = [("", opts, pairs, mesh) for opts, pairs in split_by_options(dense, param_options)]
         if expert:
             groups += [
