@@ -14,7 +14,9 @@ Two sweeps, each in one process group per world size:
     expansion or not), with activation checkpointing, frozen units and a weight tied
     across units, trained for 3 steps of 2 micro-batches (the first under no_sync), each
     rank and step drawing its own skips, consecutive repeats (`x = l(l(x))`), outputs
-    left out of the loss and layers run only in the no_sync micro-batch.
+    left out of the loss, layers run only in the no_sync micro-batch and layers called
+    again under no_grad (after frozen layers); and, every rank alike, a layer run alone
+    (forward, backward, step) between steps.
 A unit run again after another unit ran in between (`l1, l2, l1`) is refused by fsdp
 with reshard_after_forward=true on more than one rank: its second AllGather would have no
 partner on a rank that calls it once. That refusal is tested on its own, at the end.

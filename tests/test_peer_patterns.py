@@ -1,10 +1,12 @@
 """Peer patterns from PyTorch's own DDP and FSDP2 suites (issue 15, "never silently wrong").
 
 Every case trains a small model for a few steps through `build_engine` in every mode, at
-2 and 4 ranks, each rank on its slice of the global batch, and compares the final
-parameters (and buffers) with
+2 and 4 ranks (the call shapes from FSDP2's suite at 3 too), each rank on its slice of the
+global batch, and compares the final parameters (and buffers) with
   (a) one process training the same model on the whole global batch, and
-  (b) torch's own DistributedDataParallel on the same per-rank slices.
+  (b) torch's own DistributedDataParallel on the same per-rank slices, and, for the
+      shapes from FSDP2's suite, torch's FSDP2 (`fully_shard`) in the same reshard
+      setting.
 Models are built from the same seed on every rank; losses are means over a rank's slice,
 so averaging gradients over ranks is one big batch's gradient.
 
