@@ -95,7 +95,11 @@ class Deep(nn.Module):
     def forward(self, x, plan: tuple):
         """`plan`: what to run, in order: a layer index, ("aside", i) for a layer whose
         output the loss does not use, or ("nograd", i) for a layer run under no_grad, its
-        output added to the activations (FSDP2's test_multi_forward_mixed_requires_grad)."""
+        output added to the activations (FSDP2's test_multi_forward_mixed_requires_grad).
+        ("alone", i): layer i alone on the input, as `model.layers[i](x)` (torch DDP's way
+        of running a non-root layer: its reducer knows only forwards through its root)."""
+        if plan[:1] == ("alone",):
+            return self.layers[plan[1]](x)
         h = self.inp(x)
         for step in plan:
             if isinstance(step, tuple) and step[0] == "nograd":
@@ -169,17 +173,14 @@ def _train(env, case: Case, mode: str) -> dict[str, torch.Tensor]:
         else:
             runner.step()
         k = case.between[step] if step < len(case.between) else None
-        if k is not None:  # a forward of layer k alone, not through the root
+        if k is not None:  # a forward and backward of layer k alone, then a step
             x = _slice(data[step][0][0], env.rank)
-            model.layers[k](x).pow(2).mean().backward()
-            if mode == "torch_ddp":  # bypassed DDP's reducer: average as it would
-                for p in model.parameters():
-                    if p.grad is not None:
-                        torch.distributed.all_reduce(p.grad)
-                        p.grad /= env.world_size
+            if mode == "torch_ddp":  # through its root: see Deep.forward
+                runner(x, ("alone", k)).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
             else:
+                model.layers[k](x).pow(2).mean().backward()  # not through the root
                 runner.step()
     if mode == "torch_ddp":
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
