@@ -131,7 +131,8 @@ def demo_all_to_all_uneven(env: DistEnv) -> Shown:
     """Rank r sends uneven_count(r, j) copies of item 10r+j to rank j.
 
     The split sizes travel first (each rank learns how much is coming from whom), then the
-    variable-length pieces: MoE token dispatch with unbalanced routing.
+    variable-length pieces: MoE token dispatch with unbalanced routing. The real use is
+    expert parallelism (trainer/parallel/experts.py, docs/expert_parallel.md).
     """
     p, r = env.world_size, env.rank
     pieces = [
