@@ -502,3 +502,33 @@ def test_mixtral_by_path_equal_to_one_process(name: str) -> None:
             assert g["read"] < total - experts + experts // kw["e"]
         else:
             assert g["read"] == total - experts + experts // kw["e"]
+
+
+def test_command_line_gpt_moe(tmp_path) -> None:
+    """model=gpt_moe with mode.expert_parallel=2 from the command line: TensorBoard has
+    the aux loss, the expert load and the AllToAll bytes; final_model.pt holds every
+    expert in the model's stacked layout; no checkpoint is written (said once)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tb_events import scalars
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(root / "train.py"), "model=gpt_moe", "data=tokens", "mode=zero",
+         "mode.expert_parallel=2", "model.n_experts=4", "train.steps=6", "train.log_every=3",
+         "train.batch_size=8", f"run.root={tmp_path}"],
+        capture_output=True, text=True, timeout=240, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("no checkpoint written: expert-parallel") == 1
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    tags = scalars(run_dir)
+    assert 1.0 <= tags["moe/load_max_over_mean"][-1][1] <= 4.0
+    assert tags["moe/aux_loss"][-1][1] > 0
+    assert tags["comm/bytes_per_step/all_to_all"][-1][1] > 0
+    state = torch.load(run_dir / "final_model.pt", weights_only=True)
+    assert state["blocks.0.moe.experts.w_in"].shape == (4, 64, 256)
+    assert not list(run_dir.glob("checkpoints/step*"))

@@ -156,7 +156,12 @@ def materialize(
         Request(name, p, 0, p.numel(), s.view(-1))
         for (name, p), s in zip(params, storage, strict=True)
     ]
-    source.fill(root, list(root.named_modules()), requests, device)
+    modules = list(root.named_modules())
+    if only_meta:  # modules whose own parameters have values already are left alone
+        modules = [(n, m) for n, m in modules if not any(
+            p is not None and not p.is_meta for p in m._parameters.values()
+        )]  # fmt: skip
+    source.fill(root, modules, requests, device)
     for (_, p), s in zip(params, storage, strict=True):
         swap_into(p, s)
     return root.to(device)  # buffers that were real elsewhere

@@ -128,10 +128,13 @@ class IntervalMetrics:
         self._sums["grad_norm_sum"] = self._sums["grad_norm_sum"] + norm
         self._sums["grad_norm_steps"] = self._sums["grad_norm_steps"] + taken
 
-    def reduce(self, latest: dict[str, Any] | None = None) -> dict[str, float] | None:
+    def reduce(
+        self, latest: dict[str, Any] | None = None, averaged: dict[str, Any] | None = None
+    ) -> dict[str, float] | None:
         """Sum every rank's figures into rank 0; return averages there, None elsewhere.
         `latest`: values to report as they are on rank 0 (the lr, the loss scale: floats or
-        device tensors), read in the same transfer."""
+        device tensors), read in the same transfer; `averaged`: values every rank has
+        (an MoE's aux loss and expert loads), reported as their mean over ranks."""
         if self._started is not None:  # the interval ends when the device has caught up
             host.synchronize(self.device, "step clock")
             self._sums["wall_s"] = self.clock() - self._started
@@ -144,6 +147,8 @@ class IntervalMetrics:
         latest = latest or {}
         # Rank 0's own values ride along: the other ranks add zeros to them.
         own = [v if comm.rank() == 0 else 0.0 for v in latest.values()]
+        averaged = averaged or {}
+        own += list(averaged.values())
         # Some sums are device tensors (loss, correct, grad norm: no sync per step), the
         # others Python floats; every element goes to the metric device before stacking,
         # since torch.stack refuses a mix of CUDA and CPU tensors.
@@ -163,10 +168,12 @@ class IntervalMetrics:
             return None
         values = packed.tolist()
         s = dict(zip(FIELDS, values[: len(FIELDS)], strict=True))
-        rank0 = dict(zip(latest, values[len(FIELDS) :], strict=True))
+        rank0 = dict(zip(latest, values[len(FIELDS) : len(FIELDS) + len(latest)], strict=True))
+        p = comm.world_size()
+        means = values[len(FIELDS) + len(latest) :]
+        rank0.update({k: v / p for k, v in zip(averaged, means, strict=True)})
         if s["samples"] == 0:  # every step of the interval was skipped
             return {}
-        p = comm.world_size()
         out = {
             "train/loss": s["loss_sum"] / s["predictions"],
             "train/accuracy": s["correct"] / s["predictions"],

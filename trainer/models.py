@@ -430,6 +430,12 @@ class GPTMoE(GPT):
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
 
 
+def expert_loads(model: nn.Module) -> list[Tensor]:
+    """Each MoE layer's share of routed rows per expert (n,) in the latest forward, on
+    this rank: GPT-MoE's; [] for other models."""
+    return [m.load for m in model.modules() if isinstance(m, MoE) and hasattr(m, "load")]
+
+
 def aux_loss(model: nn.Module) -> Tensor | None:
     """The auxiliary loss a model's latest forward asks to be added to the training loss
     (GPT-MoE's load balancing), or None."""

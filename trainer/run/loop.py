@@ -25,7 +25,7 @@ from trainer.lm import generate, positions, save_model_files
 from trainer.materialize import SeededInit, empty_weights
 from trainer.memory import MemoryMonitor, count_params
 from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
-from trainer.models import accuracy, aux_loss, loss_fn
+from trainer.models import accuracy, aux_loss, expert_loads, loss_fn
 from trainer.optim import lr_scheduler, optimizer_factory, param_options
 from trainer.parallel import build_engine
 from trainer.parallel.engine import Engine
@@ -300,8 +300,15 @@ def log_metrics(run: Run, step: int) -> None:
     latest = {"train/lr": run.lr}  # device values too: read with the metrics, at once
     if scaler.enabled:
         latest.update({"train/loss_scale": scaler.scale, "train/overflow_steps": scaler.skipped})
-    values = run.metrics.reduce(latest)
+    values = run.metrics.reduce(latest, averaged=moe_figures(run.engine.module))
     if values:  # rank 0, with at least one step that was not skipped
+        loads = sorted(k for k in values if k.startswith("moe/_load/"))
+        if loads:  # each layer's load averaged over ranks: its busiest expert over the mean
+            by_layer: dict[str, list[float]] = {}
+            for k in loads:
+                by_layer.setdefault(k.rsplit("/", 1)[0], []).append(values.pop(k))
+            worst = max(max(v) / (sum(v) / len(v)) for v in by_layer.values())
+            values["moe/load_max_over_mean"] = worst
         shown = {"loss": f"{values['train/loss']:.4f}", "acc": f"{values['train/accuracy']:.3f}"}
         if run.tokens_per_step:
             values["train/tokens_seen"] = float(step * run.tokens_per_step)
@@ -309,6 +316,19 @@ def log_metrics(run: Run, step: int) -> None:
         run.last = values
         run.writer.scalars(values, step)
         run.bar.set_postfix(shown)
+
+
+def moe_figures(model: torch.nn.Module) -> dict[str, Any]:
+    """An MoE model's latest aux loss and per-expert loads (device values, averaged over
+    ranks by the metrics reduce): TensorBoard's moe/aux_loss and moe/load_max_over_mean,
+    the busiest expert's share of rows over the mean share (1: balanced), worst layer."""
+    out: dict[str, Any] = {}
+    aux = aux_loss(model)
+    if aux is not None:
+        out["moe/aux_loss"] = aux.detach()
+    for i, load in enumerate(expert_loads(model)):
+        out.update({f"moe/_load/{i}/{e}": v for e, v in enumerate(load)})
+    return out
 
 
 def run_eval(run: Run, step: int) -> None:
