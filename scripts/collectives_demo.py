@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer import comm  # noqa: E402
-from trainer import dist as tdist  # noqa: E402
 from trainer.comm.all_to_all import all_to_all, all_to_all_uneven, scatter  # noqa: E402
-from trainer.dist import DistEnv  # noqa: E402
+from trainer.run import dist as tdist  # noqa: E402
+from trainer.run.dist import DistEnv  # noqa: E402
 
 # Every demo returns (before, after) for its rank: the values as shown to people (lists of
 # ints or letters, or a word such as "empty"), so tests can compare them directly.

@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer import comm  # noqa: E402
-from trainer import dist as tdist  # noqa: E402
 from trainer.comm.all_to_all import all_to_all  # noqa: E402
-from trainer.dist import DistEnv  # noqa: E402
+from trainer.run import dist as tdist  # noqa: E402
+from trainer.run.dist import DistEnv  # noqa: E402
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
 HAS_P2P = {"reduce_scatter", "all_gather"}

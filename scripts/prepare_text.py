@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer.data.text import Bytes, Chars, Codec, hf_tokenizer  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.text import Bytes, Chars, Codec, hf_tokenizer  # noqa: E402
 
 CHUNK = 1 << 20  # bytes of text per read
 

@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer.data.text import codec_from_meta  # noqa: E402
+from trainer.data.tokens import read_meta  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.lm import generate, run_model  # noqa: E402
-from trainer.text import codec_from_meta  # noqa: E402
-from trainer.tokens import read_meta  # noqa: E402
+from trainer.models.lm import generate, run_model  # noqa: E402
 
 
 def sample(

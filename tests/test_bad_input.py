@@ -146,7 +146,7 @@ def test_every_mode_and_optim_key_is_typed(overrides, reason):
     from hydra.errors import ConfigCompositionException
     from test_cli import ROOT
 
-    from trainer import schema  # noqa: F401  (registers the types)
+    from trainer.config import schema  # noqa: F401  (registers the types)
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         with pytest.raises(ConfigCompositionException) as e:
@@ -159,8 +159,8 @@ def test_each_mode_and_optim_choice_composes_with_its_schema():
     from omegaconf import OmegaConf
     from test_cli import ROOT
 
-    from trainer import schema
-    from trainer.optim import optimizer_factory
+    from trainer.config import schema
+    from trainer.run.optim import optimizer_factory
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         for group, choice, node in [

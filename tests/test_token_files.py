@@ -1,4 +1,4 @@
-"""Token files (trainer/tokens.py), scripts/prepare_text.py and the bad input around them.
+"""Token files (trainer/data/tokens.py), scripts/prepare_text.py and the bad input around them.
 No processes: every file is written here, read back and compared exactly."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import make_loader
+from trainer.data.datasets import make_loader
+from trainer.data.text import Bytes, Chars, codec_from_meta, hf_tokenizer
+from trainer.data.tokens import LLMC_HEADER, TokenData, WindowSampler, open_tokens, read_meta
 from trainer.errors import ConfigError
-from trainer.text import Bytes, Chars, codec_from_meta, hf_tokenizer
-from trainer.tokens import LLMC_HEADER, TokenData, WindowSampler, open_tokens, read_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.flat import FlatLayout, bucketize
-from trainer.memory import bytes_per_element, optimizer_bytes_per_param
+from trainer.observe.memory import bytes_per_element, optimizer_bytes_per_param
 from trainer.parallel import ENGINES, pieces
 from trainer.parallel.engine import (
     BROADCAST_PACK_BYTES,
@@ -33,9 +32,10 @@ from trainer.parallel.engine import (
     ParamGroupFn,
     split_by_options,
 )
+from trainer.parallel.flat import FlatLayout, bucketize
+from trainer.parallel.precision import Precision
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
 from trainer.parallel.zero import BUCKETS_IN_FLIGHT
-from trainer.precision import Precision
 
 KINDS = ("params", "master", "grads", "optimizer")
 

@@ -53,8 +53,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from trainer.estimate.layout import Plan
-from trainer.memory import bus_factor
-from trainer.precision import Precision
+from trainer.observe.memory import bus_factor
+from trainer.parallel.precision import Precision
 
 # Phases a collective runs in, for the overlap model ([Note: step time model]).
 FORWARD, BACKWARD, LAST_BACKWARD = "forward", "backward", "last_backward"

@@ -7,7 +7,7 @@ bucket's AllReduce asynchronously, strictly in bucket order ([Note: buckets in o
 buckets.py), while backward carries on with earlier layers. All handles are waited for
 in one place, the end-of-backward callback.
 
-Mixed precision ([Note: master weights] in trainer/precision.py): buckets hold gradients
+Mixed precision ([Note: master weights] in trainer/parallel/precision.py): buckets hold gradients
 in `reduce_dtype`. When that is the parameters' dtype the `.grad` views work as above;
 otherwise the hook adds each gradient into its slot, casting, and drops autograd's
 (under no_sync too, so micro-batches accumulate in the reduce dtype). After the
@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from trainer import comm
-from trainer.flat import FlatLayout, bucketize
 from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import (
     Engine,
@@ -38,10 +37,11 @@ from trainer.parallel.engine import (
     ShardGroup,
     param_groups,
 )
+from trainer.parallel.flat import FlatLayout, bucketize
 from trainer.parallel.pieces import Piece
+from trainer.parallel.precision import Precision
+from trainer.parallel.scaling import LossScaler
 from trainer.parallel.used import UsedFlags
-from trainer.precision import Precision
-from trainer.scaling import LossScaler
 
 
 class _Bucket:

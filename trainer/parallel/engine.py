@@ -30,12 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import comm, host
+from trainer import comm
 from trainer.comm import groups as comm_groups
 from trainer.errors import ConfigError
+from trainer.observe import host
 from trainer.parallel.pieces import ShardGroup
-from trainer.precision import Precision, cast_module
-from trainer.scaling import LossScaler, can_skip_on_device, skipping_if
+from trainer.parallel.precision import Precision, cast_module
+from trainer.parallel.scaling import LossScaler, can_skip_on_device, skipping_if
 
 # Called with the tensors to step: a list of tensors, or of param-group dicts.
 OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
@@ -95,7 +96,7 @@ class Engine(ABC):
         # The ranks a sharding mode splits its state over ([Note: hybrid sharding] in
         # comm/groups.py): all of them unless the mode was given a shard group size.
         self.mesh = comm_groups.Mesh(None, None, self.world_size, self.rank, 1)
-        # [Note: master weights] in trainer/precision.py. Each mode builds its fp32
+        # [Note: master weights] in trainer/parallel/precision.py. Each mode builds its fp32
         # masters from the module's fp32 values, then casts the module.
         self.precision = precision or Precision()
         # where the model's state lives (given for a model whose parameters are on meta)

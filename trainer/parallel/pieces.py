@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.flat import FlatLayout
+from trainer.parallel.flat import FlatLayout
 
 
 @dataclass

@@ -29,12 +29,12 @@ from torch.optim import Optimizer
 
 from trainer import comm
 from trainer.comm.groups import Mesh
-from trainer.flat import FlatLayout, ScatterInput
-from trainer.materialize import Request
+from trainer.models.materialize import Request
 from trainer.parallel import pieces
 from trainer.parallel.engine import OptimizerFactory, param_groups
+from trainer.parallel.flat import FlatLayout, ScatterInput
+from trainer.parallel.precision import Precision
 from trainer.parallel.used import UsedFlags
-from trainer.precision import Precision
 
 
 class ShardedBuffer:

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from trainer import comm, host
-from trainer.memory import MemoryMonitor, bandwidth
-from trainer.models import accuracy, loss_fn
-from trainer.tb_layout import run_layout
+from trainer import comm
+from trainer.models.builtin import accuracy, loss_fn
+from trainer.observe import host
+from trainer.observe.memory import MemoryMonitor, bandwidth
+from trainer.observe.tb_layout import run_layout
 
 # Order of the packed tensor reduced to rank 0 (one collective per logging interval).
 FIELDS = (
@@ -37,7 +38,7 @@ FIELDS = (
 
 # [Note: timing steps]
 # A steady step only queues work on a GPU: nothing in it waits for the device (see
-# trainer/host.py), so host time around one step is the time to queue it, not to run it.
+# trainer/observe/host.py), so host time around one step is the time to queue it, not to run it.
 # The step clock times a logging interval instead, between two points where the device
 # has caught up: `start_step()` synchronises it when the interval's first step begins
 # (after the previous log point's metrics, eval and checkpoint, left out of the figure)
@@ -277,7 +278,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 class Rank0Writer:
     """TensorBoard and a final JSON summary, written by rank 0 only. With the first
-    scalars comes a Custom Scalars layout (trainer/tb_layout.py): loss and accuracy
+    scalars comes a Custom Scalars layout (trainer/observe/tb_layout.py): loss and accuracy
     first, then memory, then communication, in every run."""
 
     def __init__(self, run_dir: Path, enabled: bool):

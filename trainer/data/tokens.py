@@ -137,7 +137,7 @@ class TokenData(Dataset):
 
     `dir`: a directory with train.bin / val.bin (and meta.json or meta.pkl); or `path`: a
     file or a glob of shards for training and `val_path` for evaluation. `block_size`
-    None: the model's, set by the trainer (trainer/build.py) before the first item.
+    None: the model's, set by the trainer (trainer/models/build.py) before the first item.
     """
 
     def __init__(

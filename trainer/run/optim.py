@@ -22,8 +22,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from trainer import host
 from trainer.errors import ConfigError
+from trainer.observe import host
 from trainer.parallel.engine import OptimizerFactory, ParamGroupFn
 
 # Keys of the optim group read by the trainer; everything else goes to the optimizer.
@@ -33,7 +33,7 @@ SCHEDULES = ("constant", "cosine")
 
 def optimizer_factory(optim: DictConfig) -> OptimizerFactory:
     """The optimizer partial from `optim`, the trainer's own keys removed, and the
-    arguments left null (trainer/schema.py's `foreach`, `fused`): torch's own default
+    arguments left null (trainer/config/schema.py's `foreach`, `fused`): torch's own default
     then, and fp16 free to build the optimizer fused (scaling.fused_for_scaling)."""
     kwargs = OmegaConf.to_container(optim, resolve=True)
     for key in TRAINER_KEYS:

@@ -18,7 +18,7 @@ Transient buffers that live only inside forward/backward (fsdp's gathered units)
 not in that snapshot; the peak is: the high point of one training step per logging
 interval, the first after each log point, from its first forward to the end of its
 optimizer step. On CPU (`peak_step`) the storages alive at its start plus the C heap's
-growth during it ([Note: the CPU step peak] in trainer/heap.py); on GPU
+growth during it ([Note: the CPU step peak] in trainer/observe/heap.py); on GPU
 (`peak_cuda_allocated`) the CUDA allocator's peak, reset when that step starts
 (`torch.cuda.reset_peak_memory_stats`) and read when it ends (`CudaStepPeak`): without
 the reset it would be the peak since the process started (the broadcast at engine
@@ -63,7 +63,8 @@ from typing import Any
 
 import torch
 
-from trainer import comm, heap
+from trainer import comm
+from trainer.observe import heap
 
 KINDS = ("params", "master", "grads", "optimizer", "comm")
 # Order of the packed tensor gathered to rank 0 (one Gather per logging interval).

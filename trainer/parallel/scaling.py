@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _get_fused_kernels_supported_devices  # torch's own list
 
-from trainer import host
 from trainer.errors import ConfigError
+from trainer.observe import host
 
 # [Note: dynamic loss scaling]
 # fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero. Multiplying the loss by a
