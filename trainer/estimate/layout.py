@@ -3,7 +3,7 @@ memory, so a 70B model costs nothing).
 
 The flat buffers are laid out by the functions the engines call: `flat.bucketize` and
 `FlatLayout` (padding) for ddp's and zero's buckets, `units.plan_units` for fsdp's units,
-`engine.split_by_options` for weight-decay groups, `pieces.cut` for what the optimizer
+`pieces.split_by_options` for weight-decay groups, `pieces.cut` for what the optimizer
 steps on each rank. The bytes per element of each kind come from `memory.bytes_per_element`,
 the rule memory.py checks runs against. The result is the figure `memory.measure` reads
 from a live run right after an optimizer step, to the byte (tests/test_estimate.py):
@@ -26,12 +26,8 @@ from torch import nn
 from trainer.errors import ConfigError
 from trainer.observe.memory import bytes_per_element, optimizer_bytes_per_param
 from trainer.parallel import ENGINES, pieces
-from trainer.parallel.engine import (
-    BROADCAST_PACK_BYTES,
-    OptimizerFactory,
-    ParamGroupFn,
-    split_by_options,
-)
+from trainer.parallel.broadcast import BROADCAST_PACK_BYTES
+from trainer.parallel.engine import OptimizerFactory, ParamGroupFn
 from trainer.parallel.flat import FlatLayout, bucketize
 from trainer.parallel.precision import Precision
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
@@ -115,7 +111,7 @@ def plan(
     elif mode == "zero":
         flats = [
             _flat(named, ps, shard)
-            for _, pairs in split_by_options(named, param_options)
+            for _, pairs in pieces.split_by_options(named, param_options)
             for ps in bucketize([p for _, p in pairs], bucket)
         ]
     elif mode == "fsdp":
@@ -129,7 +125,7 @@ def plan(
         flats = [
             Flat([n for n, _ in pairs], FlatLayout.of([p for _, p in pairs], shard), unit=i)
             for i, u in enumerate(units)
-            for _, pairs in split_by_options(u.params, param_options)
+            for _, pairs in pieces.split_by_options(u.params, param_options)
         ]
     else:
         raise ValueError(mode)
@@ -234,7 +230,7 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
 #   ordinary build (train.meta_build=false): the whole model, M, on every rank, and
 #     beside it the largest of
 #       - the broadcast of rank 0's values (P > 1): parameters and buffers packed into
-#         flat tensors of at most BROADCAST_PACK_BYTES (engine.broadcast_tensors)
+#         flat tensors of at most BROADCAST_PACK_BYTES (broadcast.py's broadcast_tensors)
 #       - ddp: its gradient buckets (Ψ in the reduce dtype, + the used-flags), and the
 #         fp32 masters (4Ψ) in mixed precision
 #       - zero: one bucket's full flat buffer, built while its parameters still hold

@@ -2,8 +2,9 @@
 
 Each mode is one file read top to bottom (ddp.py, zero.py, fsdp.py) over engine.py, what every
 mode shares; zero and fsdp keep their state in sharded.py's buffers. Below them: flat.py
-(layouts), buckets.py, units.py, schedule.py, pieces.py, used.py, state.py, and precision.py
-and scaling.py (bf16/fp16 compute, fp16 loss scaling). Start with zero.py.
+(layouts), buckets.py, units.py, schedule.py, pieces.py, used.py, state.py, broadcast.py,
+clipping.py, and precision.py and scaling.py (bf16/fp16 compute, fp16 loss scaling and its
+step). Start with zero.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from torch import nn
 from trainer import comm
 from trainer.errors import ConfigError
 from trainer.models.materialize import Request, Source, has_meta, materialize, swap_into
+from trainer.parallel.broadcast import broadcast_tensors
 from trainer.parallel.ddp import DDPEngine
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, broadcast_tensors
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
 from trainer.parallel.fsdp import FSDPEngine
 from trainer.parallel.precision import Precision
 from trainer.parallel.scaling import LossScaler, fused_for_scaling

@@ -30,15 +30,9 @@ from torch import nn
 
 from trainer import comm
 from trainer.parallel.buckets import BucketQueue
-from trainer.parallel.engine import (
-    Engine,
-    OptimizerFactory,
-    ParamGroupFn,
-    ShardGroup,
-    param_groups,
-)
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, ShardGroup
 from trainer.parallel.flat import FlatLayout, bucketize
-from trainer.parallel.pieces import Piece
+from trainer.parallel.pieces import Piece, param_groups
 from trainer.parallel.precision import Precision
 from trainer.parallel.scaling import LossScaler
 from trainer.parallel.used import UsedFlags

@@ -33,8 +33,8 @@ from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
 from trainer.errors import ConfigError
 from trainer.models.materialize import Source, swap_into
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
-from trainer.parallel.pieces import ShardGroup
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
+from trainer.parallel.pieces import ShardGroup, split_by_options
 from trainer.parallel.precision import Precision
 from trainer.parallel.scaling import LossScaler
 from trainer.parallel.schedule import Schedule

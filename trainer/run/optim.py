@@ -7,7 +7,7 @@ arguments: weight-decay groups, the learning-rate schedule and gradient clipping
                              on_device=engine.skips_on_device)
     scheduler.step(engine.step())                            # counts the steps taken
 
-Clipping itself is `engine.clip_grad_norm_` (trainer/parallel/engine.py): only the
+Clipping itself is `engine.clip_grad_norm_` (trainer/parallel/clipping.py): only the
 engine knows where its gradients live.
 """
 
