@@ -267,17 +267,29 @@ def build(name: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor, s
 # Measuring
 
 
-def timed_steps(b: Built, warmup: int, steps: int) -> tuple[list[float], float, float]:
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` before the clock is read: on CUDA a step
+    returns when its kernels are queued, not run. A no-op on CPU, where ops are done when
+    they return; every contender is timed the same way."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(
+    b: Built, warmup: int, steps: int, device: torch.device
+) -> tuple[list[float], float, float]:
     """Per-step seconds (slowest rank per step), bytes sent per step and, of those, the
     bytes sent between shard groups."""
     for _ in range(warmup):
         b.step()
+    synchronize(device)
     comm.barrier().wait()
     comm.stats.reset()
     times = torch.empty(steps, dtype=torch.float64)  # (steps,)
     for i in range(steps):
         t0 = time.perf_counter()
         b.step()
+        synchronize(device)
         times[i] = time.perf_counter() - t0
     sent = sum(comm.stats.bytes_sent.values()) / steps
     across = comm.stats.bytes_across / steps
@@ -350,7 +362,7 @@ def run(args: argparse.Namespace) -> dict:
         for n in order:
             gc.collect()
             b = build(n, args.width, args.depth, x, y, s)
-            ts, sent[n], across[n] = timed_steps(b, args.warmup, args.steps)
+            ts, sent[n], across[n] = timed_steps(b, args.warmup, args.steps, x.device)
             del b
             times[n] += ts
             medians[n] = statistics.median(ts)

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
         for n in order:
             gc.collect()
             b = build(n, args, vocab, x, y)
-            ts, _, _ = timed_steps(b, args.warmup, args.steps)
+            ts, _, _ = timed_steps(b, args.warmup, args.steps, x.device)
             del b
             times[n] += ts
             medians[n] = statistics.median(ts)
