@@ -183,6 +183,7 @@ def test_writer_lays_out_only_the_charts_a_run_logs(tmp_path):
     [
         ("NVIDIA H100 80GB HBM3", "H100"),
         ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
         ("NVIDIA H200", "H200"),
         ("NVIDIA A100-SXM4-80GB", "A100"),
         ("NVIDIA A100 80GB PCIe", "A100"),

@@ -244,9 +244,11 @@ def evaluate(
 # of the matmuls. fp32 is the plain fp32 peak (TF32 tensor cores are off by default in
 # torch). A key is a whole model name inside torch.cuda.get_device_name(): bounded by
 # neither a letter nor a digit on either side, the longest key first, so "NVIDIA L40S"
-# is an L40S and not an L4 (see `device_key`).
+# is an L40S and not an L4, and "NVIDIA H100 NVL" an H100 NVL, not an H100 SXM (see
+# `device_key`).
 PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
     "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12},
+    "H100 NVL": {torch.bfloat16: 835e12, torch.float16: 835e12, torch.float32: 60e12},
     "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
