@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node=4 scripts/collectives_demo.py all_to_all
     torchrun --standalone --nproc-per-node=4 scripts/collectives_demo.py all
 
-With 4 ranks the values are the reference table of COLLECTIVES.md; other world sizes
+With 4 ranks the values are the reference table of docs/collectives.md; other world sizes
 follow the same rules. Letters A, B, C, D stand for "rank 0's item", "rank 1's item", ...
 Every demo goes through trainer.comm, the package the trainer itself uses (scatter and the
 all-to-alls through trainer/comm/all_to_all.py, on the same launch path), so this is the

@@ -11,7 +11,7 @@ the gathered output, the reduce-scatter input, one rank's all-to-all buffer);
 algbw = size / time; busbw = algbw x factor, the factor that makes busbw comparable
 with the link's bandwidth: all_reduce 2(P-1)/P, all_gather, reduce_scatter and
 all_to_all (P-1)/P, broadcast and reduce 1. "ring traffic/rank" is what one rank sends
-under the ring algorithm (COLLECTIVES.md): the bytes the link must carry.
+under the ring algorithm (docs/collectives.md): the bytes the link must carry.
 Time per size is the median over --iters of the slowest rank's time.
 """
 
