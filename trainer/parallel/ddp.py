@@ -81,6 +81,7 @@ class DDPEngine(Engine):
         self._flags = self.buckets[-1].buffer[self.buckets[-1].layout.numel :]  # (n,)
         self._used = UsedFlags(params)
         self._skipped: set[int] = set()  # positions whose .grad is None until the next step
+        self._had_backward = False  # a backward (synced or under no_sync) since the last step
         if mp.mixed:  # fp32 masters from the fp32 values, then the module is cast
             for b in self.buckets:
                 b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
@@ -126,7 +127,8 @@ class DDPEngine(Engine):
         b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}")
 
     def _finish_backward(self) -> None:
-        if not self._sync:
+        self._had_backward = True
+        if not self._sync:  # local gradients, applied as they are if a step follows (torch DDP)
             return
         # Buckets still pending hold parameters that got no gradient in this backward
         # (their slots hold zeros, or gradients of earlier backwards and no_sync
@@ -145,6 +147,15 @@ class DDPEngine(Engine):
         self._skipped = self._used.unused_everywhere(self._flags)
         for i in self._skipped:
             self._masters[i][1].grad = None
+
+    def _step(self) -> None:
+        if not self._had_backward:
+            # No backward since the last step (an evaluation step, say): no parameter has
+            # a gradient, as in one process, although the buckets' zeros sit in .grad.
+            self._skipped = set(range(len(self._masters)))
+            for _, m in self._masters:
+                m.grad = None
+        super()._step()
 
     @torch.no_grad()
     def params_from_masters(self) -> None:
@@ -170,6 +181,7 @@ class DDPEngine(Engine):
                 p = self._masters[i][0]
                 p.grad = self._view_of[id(p)]
         self._skipped = set()
+        self._had_backward = False
         self._used.clear()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
