@@ -246,7 +246,6 @@ def test_bad_tokenizers_and_text(tmp_path):
         ('{"tokenizer": "char"}', 'tokenizer "char" needs "chars"'),
         ('{"tokenizer": "char", "chars": "ba"}', "chars must be distinct characters in sorted"),
         ('{"tokenizer": "char", "chars": "aa"}', "chars must be distinct characters in sorted"),
-        ('{"tokenizer": "char", "chars": "ab", "vocab_size": 3}', "vocab_size 3 differs from"),
     ],
     ids=lambda v: str(v)[:24],
 )
@@ -263,6 +262,12 @@ def test_meta_json_without_fields_and_meta_pkl_that_is_not_one(tmp_path):
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "train.bin")
     (tmp_path / "meta.json").write_text("{}")  # nothing known: the defaults
     assert TokenData(dir=str(tmp_path), block_size=4).data_vocab_size() == 10
+    # a vocabulary padded past the characters (as nanoGPT pads GPT-2's to 50304): the ids
+    # past them decode as U+FFFD
+    padded = {"tokenizer": "char", "chars": "".join(map(chr, range(65, 75))), "vocab_size": 64}
+    (tmp_path / "meta.json").write_text(json.dumps(padded))
+    assert TokenData(dir=str(tmp_path), block_size=4).data_vocab_size() == 64
+    assert codec_from_meta(read_meta(tmp_path), tmp_path).decode([0, 9, 63]) == "AJ\ufffd"
     (tmp_path / "meta.json").unlink()
     (tmp_path / "meta.pkl").write_bytes(b"")  # EOFError from pickle
     with pytest.raises(ConfigError, match="meta.pkl is not a readable pickle"):

@@ -174,10 +174,6 @@ def check_meta(meta: Any, path: Path) -> None:
                 f"{path}: chars must be distinct characters in sorted order (id i is the "
                 "i-th), as scripts/prepare_text.py writes them"
             )
-        if vocab is not None and vocab != len(chars):
-            raise ConfigError(
-                f"{path}: vocab_size {vocab} differs from the {len(chars)} characters of chars"
-            )
 
 
 class _PlainUnpickler(pickle.Unpickler):
