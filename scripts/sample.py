@@ -36,7 +36,14 @@ def sample(
     model, model_dir, _ = run_model(run)
     codec = codec_from_meta(read_meta(model_dir), model_dir)
     if codec is None:  # ids in, ids out
-        ids = [int(t) for t in prompt.split()] or [0]
+        try:
+            ids = [int(t) for t in prompt.split()] or [0]
+        except ValueError:
+            raise ConfigError(
+                f"--prompt {prompt!r}: the run's data names no tokenizer ({model_dir} has no "
+                "meta.json or meta.pkl that tells one), so the prompt is token ids separated "
+                "by spaces, e.g. --prompt '0 5 7'"
+            ) from None
     else:
         try:
             ids = codec.encode(prompt).tolist() or [0]

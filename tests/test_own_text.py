@@ -34,8 +34,10 @@ TRAIN = ["train.log_every=2", "train.eval_every=4", "train.eval_batches=2", "opt
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("text")
-    (root / "code.txt").write_text(TEXT)
-    prepare([root / "code.txt"], root / "char", "char", 0.1)
+    half = TEXT.index("def f150")  # two documents: a separator between them
+    (root / "code_a.txt").write_text(TEXT[:half])
+    (root / "code_b.txt").write_text(TEXT[half:])
+    prepare([root / "code_a.txt", root / "code_b.txt"], root / "char", "char", 0.1)
     return root / "char"
 
 
@@ -55,6 +57,8 @@ def test_gpt_on_own_text_resumes_bitwise_samples_and_exports(tmp_path, text_dir)
     b = torch.load(halves / "final_model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the data position resumed exactly
 
+    meta = json.loads((whole / "model" / "meta.json").read_text())  # the data's, kept
+    assert meta["separator"] == "\n" and meta["separator_ids"] == [0]
     final = json.loads((whole / "final_metrics.json").read_text())
     assert final["eval/perplexity"] == pytest.approx(np.exp(final["eval/loss"]))
     values = scalars(whole)
