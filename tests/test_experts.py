@@ -36,7 +36,7 @@ from dist_harness import run_distributed
 from reference import assert_state_close
 
 from trainer.errors import ConfigError
-from trainer.models import GPTMoE, loss_fn
+from trainer.models.builtin import GPTMoE, loss_fn
 
 pytestmark = pytest.mark.slow  # starting ranks is most of it
 
@@ -217,7 +217,7 @@ def _forward_a2a(engine, x: torch.Tensor) -> int:
 
 def _host_reads(env) -> int:
     """Host reads of one forward/backward at E=2: one per MoE layer."""
-    from trainer import host
+    from trainer.observe import host
     from trainer.parallel import build_engine
     from trainer.run.loop import forward_backward
 
@@ -231,7 +231,7 @@ def _host_reads(env) -> int:
 
 def _refusals(env) -> list[str]:
     """What build_engine says to bad values, each a one-line ConfigError."""
-    from trainer.models import GPT
+    from trainer.models.builtin import GPT
     from trainer.parallel import build_engine
 
     said = []
@@ -273,11 +273,11 @@ def _mixtral_dir() -> str:
 
 def _train_hf(env, directory: str, mode: str, e: int) -> dict:
     from trainer import comm
-    from trainer.lm import hf_causal_lm
-    from trainer.materialize import empty_weights
+    from trainer.models.lm import hf_causal_lm
+    from trainer.models.materialize import empty_weights
+    from trainer.models.weights import Pretrained
     from trainer.parallel import build_engine
     from trainer.run.loop import forward_backward
-    from trainer.weights import Pretrained
 
     with empty_weights():
         model = hf_causal_lm(directory)
@@ -301,7 +301,7 @@ def _train_hf(env, directory: str, mode: str, e: int) -> dict:
 
 @functools.cache
 def _reference_hf(directory: str, world: int) -> dict:
-    from trainer.lm import hf_causal_lm
+    from trainer.models.lm import hf_causal_lm
 
     model = hf_causal_lm(directory)
     opt = OPTIMIZERS["sgd"](model.parameters())

@@ -25,8 +25,9 @@ def scatter(
 ) -> Handle:
     """Rank r receives `scatter_list[r]` from rank `src`."""
     sent = 0
-    if scatter_list and rank(group) == src:
-        sent = sum(nbytes(t) for t in scatter_list[1:])
+    me = rank(group)
+    if scatter_list and me == src:  # every piece but its own
+        sent = sum(nbytes(t) for r, t in enumerate(scatter_list) if r != me)
     launch("scatter", tag, sent, group=group)
     return Handle(dist.scatter(output, scatter_list, src, group=group, async_op=True))
 

@@ -41,10 +41,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from trainer import comm, host
+from trainer import comm
 from trainer.comm.groups import ExpertGroups, check_expert_parallel, expert_groups
 from trainer.errors import ConfigError
-from trainer.materialize import Request, Source, param_owners, swap_into
+from trainer.models.materialize import Request, Source, param_owners, swap_into
+from trainer.observe import host
 
 
 @dataclass(frozen=True)
