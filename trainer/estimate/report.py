@@ -59,6 +59,16 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
             for i, (c, w) in enumerate(zip(r, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())
+    for mode, f in result.items():  # expert parallelism ([Note: expert parameters in every mode])
+        x = f.get("experts")
+        if x:
+            lines.append(
+                f"{mode}: experts {x['expert_params']:,} parameters, per rank "
+                f"{x['expert_params_held_per_rank']:,} held and "
+                f"{x['expert_params_stepped_per_rank']:,} stepped at mode.expert_parallel="
+                f"{x['expert_parallel']}; AllToAll {x['all_to_all_bytes_per_step'] / net:.2f} "
+                f"{net_name} sent per rank and step (state columns count every expert)"
+            )
     if any("alternative" in f for f in figs):
         lines.append("+ckpt / -ckpt: the same with model.activation_checkpointing switched")
     return "\n".join(lines)

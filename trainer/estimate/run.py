@@ -20,6 +20,7 @@ from trainer.estimate import layout
 from trainer.estimate.activations import Activations, measure_passes
 from trainer.estimate.traffic import Cluster, collectives, split, step_time
 from trainer.observe.metrics import PEAK_FLOPS
+from trainer.parallel import experts
 from trainer.parallel.precision import Precision
 from trainer.run.optim import optimizer_factory, param_options
 
@@ -57,7 +58,10 @@ def estimate(
         opt = layout.OptimizerState(opt.per_element, 0)
     else:
         model = build_meta(first)
-        passes = _passes(first, micro, alternative)
+        # An MoE's routing decides its shapes from the data: no pass in fake tensors
+        # (model states, traffic and the experts' figures only)
+        moe = experts.moe_shape(model) is not None
+        passes = None if moe else _passes(first, micro, alternative)
         buffers = _buffer_bytes(model, Precision.of(first.precision))
         built = _built_bytes(model)
     out = {}
@@ -80,6 +84,8 @@ def estimate(
         }
         if mode != "ddp":
             fig["shard_group_size"] = s
+        if model is not None and experts.moe_shape(model) is not None:
+            fig["experts"] = _experts(cfg, model, mode, world, precision)
         # [Note: the build peak] in layout.py: to the first step, ordinary and meta build
         fig["build_peak_bytes"] = layout.build_peak(plan, precision, world, *built)
         if passes is None:  # model states only
@@ -98,6 +104,28 @@ def estimate(
                     fig["alternative"] = {"activation_checkpointing": ac, **fits}
         out[mode] = fig
     return out
+
+
+def _experts(cfg: DictConfig, model, mode: str, world: int, precision: Precision) -> dict:
+    """Expert parallelism's figures ([Note: expert parameters in every mode] in
+    parallel/experts.py): expert parameters in all, those each rank holds (ddp, zero:
+    n/E experts whole; fsdp: 1/P of them) and steps (ddp: n/E; zero, fsdp: 1/P), and the
+    AllToAll bytes a rank sends per step. The model-state columns count every expert
+    on every rank, as without expert parallelism."""
+    shape = experts.moe_shape(model)
+    e = int(cfg.mode.get("expert_parallel", 1))
+    tokens = cfg.train.batch_size // world * getattr(model, "block_size", 0)
+    passes = 3 if cfg.model.get("activation_checkpointing") else 2
+    element = precision.param_dtype.itemsize
+    held = shape.expert_params // (world if mode == "fsdp" else e)
+    stepped = shape.expert_params // (e if mode == "ddp" else world)
+    return {
+        "expert_parallel": e,
+        "expert_params": shape.expert_params,
+        "expert_params_held_per_rank": held,
+        "expert_params_stepped_per_rank": stepped,
+        "all_to_all_bytes_per_step": experts.all_to_all_bytes(shape, e, tokens, element, passes),
+    }
 
 
 def peak_flops(cluster: Cluster, precision: Precision) -> float:

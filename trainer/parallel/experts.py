@@ -87,6 +87,42 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+@dataclass(frozen=True)
+class MoEShape:
+    """What the traffic of expert parallelism depends on (scripts/estimate.py)."""
+
+    layers: int  # MoE layers
+    n_experts: int  # experts per layer
+    top_k: int  # experts per token
+    hidden: int  # C: the size of a token's row
+    expert_params: int  # parameters of every layer's experts together
+
+
+def moe_shape(model: nn.Module) -> MoEShape | None:
+    """The MoE layers of `model` (ours or Hugging Face's, on meta too), or None."""
+    modules = expert_modules(model)
+    if not modules:
+        return None
+    config = getattr(modules[0][1], "config", None)  # a Hugging Face experts module's
+    if config is not None:
+        top_k, hidden = config.num_experts_per_tok, config.hidden_size
+    else:  # GPT-MoE: the MoE module holding the experts
+        moe = next(m for m in model.modules() if getattr(m, "experts", None) is modules[0][1])
+        top_k, hidden = moe.top_k, moe.router.in_features
+    params = sum(p.numel() for _, m in modules for p in m.parameters(recurse=False))
+    return MoEShape(len(modules), modules[0][1].num_experts, top_k, hidden, params)
+
+
+def all_to_all_bytes(shape: MoEShape, e: int, tokens: int, element: int, passes: int) -> float:
+    """Bytes one rank sends in AllToAlls per step, balanced routing: per MoE layer and
+    pass (a forward or a backward) the rows out and their results back, each row to
+    another rank with probability (E-1)/E; `tokens` this rank's per step, `passes` 2
+    (forward, backward) or 3 (with activation checkpointing). The counts (n integers
+    per layer and forward) are left out."""
+    rows = tokens * shape.top_k
+    return passes * shape.layers * 2 * (e - 1) / e * rows * shape.hidden * element
+
+
 def _hf_interface(m: nn.Module) -> bool:
     """Whether `m` is a transformers experts class behind its experts interface."""
     return hasattr(m, "is_concatenated") and hasattr(m, "config")
