@@ -532,3 +532,22 @@ def test_command_line_gpt_moe(tmp_path) -> None:
     state = torch.load(run_dir / "final_model.pt", weights_only=True)
     assert state["blocks.0.moe.experts.w_in"].shape == (4, 64, 256)
     assert not list(run_dir.glob("checkpoints/step*"))
+
+
+def test_estimate_knows_experts() -> None:
+    """scripts/estimate.py's figures for a GPT-MoE at E=2 on 4 ranks: expert parameters
+    per rank and the AllToAll bytes of the formula, worked out here by hand."""
+    from trainer.estimate import Cluster, compose_modes, estimate
+
+    overrides = ["model=gpt_moe", "data=tokens", "mode.expert_parallel=2", "model.n_experts=4"]
+    result = estimate(compose_modes(overrides, 4), Cluster(4, 4, 450e9, 50e9, 989e12, 0.4), 80e9)
+    n_embd, layers, experts_total = 64, 2, 2 * 4 * 2 * 64 * 256  # w_in and w_out per layer
+    tokens = 128 // 4 * 32  # train.batch_size / P x block_size, per rank and step
+    # per layer, forward and backward: rows out and back, (E-1)/E of them to the other rank
+    a2a = 2 * layers * 2 * (1 / 2) * tokens * 2 * n_embd * 4
+    for mode, held, stepped in [("ddp", 2, 2), ("zero", 2, 4), ("fsdp", 4, 4)]:
+        x = result[mode]["experts"]
+        assert x["expert_params"] == experts_total
+        assert x["expert_params_held_per_rank"] == experts_total // held
+        assert x["expert_params_stepped_per_rank"] == experts_total // stepped
+        assert x["all_to_all_bytes_per_step"] == a2a
