@@ -89,7 +89,9 @@ def one(mode: str, e: int, args: argparse.Namespace, env) -> dict:
     comm.all_gather(gathered, every).wait()
     step_s = statistics.median(gathered.view(env.world_size, -1).amax(0).tolist())
     state = engine.state_tensors()
-    total = _bytes([t for k in ("params", "master", "grads", "optimizer") for t in state[k]])
+    total = _bytes(
+        [t for k in ("params", "master", "grads", "optimizer") for t in state.get(k, [])]
+    )
     held = [q for n, q in model.named_parameters() if ".experts." in n]
     if mode == "fsdp":  # the slices it keeps, not the (freed) parameters
         held = [g.local for g in engine.shard_groups() if ".experts." in g.names[0]]
@@ -132,6 +134,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    """The options a launch's ranks need (not --nproc, which torchrun would take)."""
+    keys = ("modes", "layers", "width", "batch", "seq", "steps", "warmup")
+    return [f"--{k}={getattr(args, k)}" for k in keys]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "RANK" in os.environ:
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for p in [int(n) for n in args.nproc.split(",")]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={p}", __file__, *(sys.argv[1:] if argv is None else argv)]
+        cmd += [f"--nproc-per-node={p}", __file__, *_worker_args(args)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode:

@@ -121,6 +121,9 @@ def _train(env, mode: str, e: int, optim: str = "sgd", accum: int = 1, clip: flo
         "params": sum(storages.values()) // 4,
         "stepped": sum(g.local.numel() for g in engine.shard_groups() if ".experts." in g.names[0]),
     }
+    from trainer.observe.memory import MemoryMonitor
+
+    monitor = MemoryMonitor(engine, sum(q.numel() for q in _model().parameters()))
     losses = []
     for x, y in _batches():
         loss, _ = forward_backward(engine, x.chunk(p)[r], y.chunk(p)[r], accum)
@@ -130,9 +133,14 @@ def _train(env, mode: str, e: int, optim: str = "sgd", accum: int = 1, clip: flo
         total = loss.detach().reshape(1).clone()
         comm.all_reduce(total, average=True).wait()
         losses.append(total.item())
+    monitor.update()
+    memory = monitor.gather()  # rank 0: measured (max over ranks) and the formula
     state = engine.full_state_dict()
     loads = [b.moe.load.tolist() for b in model.blocks]  # the last forward's, this rank
-    return {"losses": losses, "state": state if r == 0 else None, "held": held, "loads": loads}
+    return {
+        "losses": losses, "state": state if r == 0 else None, "held": held, "loads": loads,
+        "memory": memory,
+    }  # fmt: skip
 
 
 # name: (P, keyword arguments of _train)
@@ -410,6 +418,12 @@ def test_expert_memory(name: str) -> None:
         share = e if kw["mode"] == "ddp" else world
         # zero and fsdp pad each flat buffer to a multiple of P/E: a few elements
         assert total // share <= held["stepped"] <= total // share + 2 * world
+    # memory.py's formula with the EP case ([Note: the expected figures]) against the
+    # live tensors (padding: a few elements per flat buffer)
+    mem = _got(name)[0]["memory"]
+    for kind in ("params", "grads", "optimizer"):
+        got, want = mem[f"memory/{kind}_MiB/max"], mem[f"memory/expected/{kind}_MiB"]
+        assert abs(got - want) <= 0.01 * want + 1e-3, (kind, got, want)
 
 
 def test_expert_gradients_do_not_depend_on_e() -> None:

@@ -12,6 +12,7 @@ How it measures: [Note: what is measured, and when], beside `measure`; what it e
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 from typing import Any
@@ -173,6 +174,12 @@ def bytes_per_element(
 # (P-1)/P·Ψr + (P-1)/P·Ψb (ReduceScatter, AllGather), fsdp (P-1)/P·(Ψr + 2Ψb) (AllGather
 # twice, ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
 # multiple of P, so their measured figures can be a few elements above.
+#
+# Expert parallelism ([Note: expert parameters in every mode] in parallel/experts.py):
+# the Ψe expert parameters are handled as a model of Ψe/E parameters over the P/E ranks of
+# an EDP group (ddp Ψe/E·(b + r + k); zero Ψe/E·b + Ψe/P·(r + k); fsdp Ψe/P·(b + r + k)),
+# the rest as above over P ranks; the AllToAlls of token dispatch depend on the routing
+# and are not in the expected traffic.
 #
 # Hybrid sharding ([Note: hybrid sharding] in comm/groups.py): the sharded kinds are split
 # over the S ranks of a shard group instead of P (fsdp with fp32 AdamW: 16Ψ/S), the
@@ -345,15 +352,33 @@ class MemoryMonitor:
             return None
         units = self.engine.working_set_bytes()
         p, s = self.engine.world_size, self.engine.mesh.shard_size
-        return expected(
-            self.engine.name, self.numel, p, self.param_bytes, self.grad_bytes, k, units, s
-        )
+        dense, experts, e = self._split()
+        out = expected(self.engine.name, dense, p, self.param_bytes, self.grad_bytes, k, units, s)
+        if experts:  # [Note: the expected figures]: the experts as Ψe/E over P/E ranks
+            mine = expected(self.engine.name, experts // e, p // e, self.param_bytes,
+                            self.grad_bytes, k)  # fmt: skip
+            out = {key: v + (mine[key] if key != "working_set" else mine["model_state"])
+                   for key, v in out.items()}  # fmt: skip
+        return out
+
+    def _split(self) -> tuple[int, int, int]:
+        """(dense Ψ, expert Ψ over all experts, E): expert parallelism's split of the
+        parameters; (Ψ, 0, 1) without it."""
+        ep = self.engine.experts
+        if ep is None:
+            return self.numel, 0, 1
+        experts = sum(math.prod(shape) for shape in ep.full_shapes.values())
+        return self.numel - experts, experts, ep.groups.ep_size
 
     def expected_traffic(self) -> float | None:
         p, s = self.engine.world_size, self.engine.mesh.shard_size
-        return expected_traffic(
-            self.engine.name, self.numel, self.param_bytes, p, self.grad_bytes, s
-        )
+        dense, experts, e = self._split()
+        mode, b, r = self.engine.name, self.param_bytes, self.grad_bytes
+        traffic = expected_traffic(mode, dense, b, p, r, s)
+        if traffic is None or not experts:
+            return traffic
+        # the experts' reductions over the P/E ranks of the EDP group; AllToAlls apart
+        return traffic + expected_traffic(mode, experts // e, b, p // e, r, None)
 
     def expected_traffic_across(self) -> float:
         p, s = self.engine.world_size, self.engine.mesh.shard_size
