@@ -10,8 +10,8 @@ trainer.models.builtin.GPTMoE (`--layers` blocks, all MoE, n_embd `--width`), Ad
 each rank on its own random windows of `--batch` x `--seq` tokens. Columns: tokens/s =
 global tokens per step / median step time; state MB = the largest rank's model state
 as live tensors (engine.state_tensors(): parameters, masters, gradients, optimizer
-state); experts MB = of it, the expert parameters' own storages (ddp and zero:
-parameters; fsdp: the slices it keeps); a2a MB/step = `comm.stats` bytes of all_to_all
+state); experts MB = the fp32 expert parameter elements a rank holds (ddp and zero: its
+parameters; fsdp: the pieces of its slices); a2a MB/step = `comm.stats` bytes of all_to_all
 per rank and step (rank 0), formula = parallel/experts.py `all_to_all_bytes` with
 balanced routing (the counts' few bytes aside).
 """
@@ -92,10 +92,13 @@ def one(mode: str, e: int, args: argparse.Namespace, env) -> dict:
     total = _bytes(
         [t for k in ("params", "master", "grads", "optimizer") for t in state.get(k, [])]
     )
-    held = [q for n, q in model.named_parameters() if ".experts." in n]
-    if mode == "fsdp":  # the slices it keeps, not the (freed) parameters
-        held = [g.local for g in engine.shard_groups() if ".experts." in g.names[0]]
-    mine = torch.tensor([total, _bytes(held)], dtype=torch.float64)
+    # expert parameter elements held here: ddp and zero keep them as parameters, fsdp as
+    # pieces of its slices (the parameters are freed between steps)
+    held = sum(q.numel() for n, q in model.named_parameters() if ".experts." in n)
+    if mode == "fsdp":
+        pieces = [c for g in engine.shard_groups() for c in g.pieces]
+        held = sum(c.end - c.start for c in pieces if ".experts." in c.name)
+    mine = torch.tensor([total, 4 * held], dtype=torch.float64)
     most = torch.empty(env.world_size * 2, dtype=torch.float64)
     comm.all_gather(most, mine).wait()
     most = most.view(env.world_size, 2).amax(0)
