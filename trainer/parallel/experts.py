@@ -58,12 +58,7 @@ class Placement:
     size: int  # E: ranks of the EP group
     rank: int  # this rank's position in it
     n_experts: int  # experts of the layer, on all E ranks together
-    n_local: int  # n_experts / E, held here
-
-    @property
-    def first(self) -> int:
-        """Global id of this rank's first expert."""
-        return self.rank * self.n_local
+    n_local: int  # n_experts / E, held here: experts [rank * n_local, (rank + 1) * n_local)
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -149,8 +144,9 @@ class ExpertPlan:
 
 def plan(model: nn.Module, e: int, shard_group_size: int | None = None) -> ExpertPlan | None:
     """The plan for `mode.expert_parallel=E`; None for E = 1 (experts are dense
-    parameters then). Refuses in one line a value that divides neither the world size
-    nor every layer's number of experts, a model without experts, and hybrid sharding."""
+    parameters then). Refuses in one line a value that does not divide both the world
+    size and every layer's number of experts, a model without experts, and hybrid
+    sharding."""
     p = comm.world_size()
     modules = expert_modules(model)
     if e == 1 and not isinstance(e, bool):
