@@ -229,11 +229,11 @@ def _model_ranks(layout: dict) -> set[int]:
     return {0} | (set(range(holders(layout))) if sharded else set())
 
 
-def model_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(path: Path, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The full model of checkpoint `path` as (state_dict key, tensor), one tensor read at
-    a time from the ranges that hold it, in state_dict order; no process group, no model,
-    no optimizer state. A tied weight (two keys, one parameter) is one tensor, under each
-    of its keys in turn."""
+    a time from the ranges that hold it, in state_dict order (the keys in `only`, if
+    given); no process group, no model, no optimizer state. A tied weight (two keys, one
+    parameter) is one tensor, under each of its keys in turn."""
     ckpt = Checkpoint(path)
     try:
         layout = ckpt.layout
@@ -243,6 +243,8 @@ def model_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         )
         last: tuple[str | None, torch.Tensor | None] = (None, None)
         for key, name in layout["keys"]:
+            if only is not None and key not in only:
+                continue
             if name is None:
                 dtype, shape = ckpt.meta["replicated"][key]
                 value = torch.empty(shape, dtype=stream.dtype_of(dtype))
@@ -263,9 +265,9 @@ def model_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         ckpt.close()
 
 
-def model_entries(path: Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """(key, dtype, shape) of every tensor `model_tensors(path)` yields, read from the
-    meta and indexes alone."""
+def model_entries(path: Path) -> list[tuple[str, str | None, torch.dtype, tuple[int, ...]]]:
+    """(key, parameter name or None, dtype, shape) of every tensor `model_tensors(path)`
+    yields, read from the meta and indexes alone."""
     ckpt = Checkpoint(path)
     layout = ckpt.layout
     shapes = _shapes(layout)
@@ -275,11 +277,11 @@ def model_entries(path: Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     for key, name in layout["keys"]:
         if name is None:
             dtype, shape = ckpt.meta["replicated"][key]
-            out.append((key, stream.dtype_of(dtype), tuple(shape)))
+            out.append((key, None, stream.dtype_of(dtype), tuple(shape)))
         else:
             j, _, ranges = ckpt.sources(name)
             dtype = ckpt.data[ranges[0][0]].entry(f"params/{j}")[0]
-            out.append((key, dtype, shapes[name]))
+            out.append((key, name, dtype, shapes[name]))
     return out
 
 
