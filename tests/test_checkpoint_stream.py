@@ -189,3 +189,62 @@ def test_an_older_format_is_refused_naming_both(zero_run, tmp_path):
         f"error: {ckpt / 'meta.pt'} is of checkpoint format 2; this trainer reads format 3 "
         "only: resume or consolidate it with the version that wrote it"
     ), lines
+
+
+# ---------------------------------------------------------------------------------------
+# Exports: one tensor at a time
+
+
+def _export_heap(env, directory: Path) -> dict:
+    """Save a zero x 1 MLP of three 4 MiB weights, then the C heap's growth while its model
+    is written as safetensors (sampled after every tensor op of the export)."""
+    from torch import nn
+
+    from trainer import checkpoint
+    from trainer.checkpoint.export import write_model
+    from trainer.parallel import build_engine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3)))
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-3)
+    engine = build_engine(model, "zero", adamw)
+    engine.backward(engine(torch.randn(4, 1024)).square().mean())
+    engine.step()
+    path = checkpoint.save(directory / "ckpt", 1, engine)
+    want = engine.full_state_dict()
+    del engine, model
+    with heap.HeapPeak() as sampler:
+        write_model(path, directory / "out", lambda k: k, list, max_shard_bytes=6 * 10**6)
+    return {"growth": sampler.growth, "want": want}
+
+
+@pytest.mark.skipif(not heap.available(), reason="needs glibc's mallinfo2()")
+def test_export_holds_one_tensor_and_reads_no_optimizer_state(tmp_path):
+    from safetensors.torch import load_file
+
+    [got] = run_distributed(_export_heap, 1, tmp_path)
+    out = tmp_path / "out"
+    # 6 MB shards: each 4 MiB weight (and its bias) in a shard of its own
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    values = {k: v for s in shards for k, v in load_file(out / s).items()}
+    assert values.keys() == got["want"].keys()
+    assert all(torch.equal(values[k], got["want"][k]) for k in values)
+    # The model is 12 MiB, its optimizer state 24 MiB: the export holds the tensor being
+    # written (4 MiB) and a 1 MiB read block.
+    assert got["growth"] < 4 * 2**20 + 2 * 2**20, got["growth"]
+
+
+def test_consolidate_writes_safetensors_with_every_key(zero_run, tmp_path):
+    from safetensors.torch import load_file
+
+    ckpt = zero_run / "checkpoints" / "step_000002"
+    script = ROOT / "scripts" / "consolidate.py"
+    for out in (tmp_path / "m.pt", tmp_path / "m.safetensors"):
+        proc = subprocess.run(
+            [sys.executable, str(script), str(ckpt), str(out)], capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    pt = torch.load(tmp_path / "m.pt", weights_only=True)
+    st = load_file(tmp_path / "m.safetensors")
+    assert pt.keys() == st.keys() and all(torch.equal(pt[k], st[k]) for k in pt)
