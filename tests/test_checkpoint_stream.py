@@ -248,3 +248,51 @@ def test_consolidate_writes_safetensors_with_every_key(zero_run, tmp_path):
     pt = torch.load(tmp_path / "m.pt", weights_only=True)
     st = load_file(tmp_path / "m.safetensors")
     assert pt.keys() == st.keys() and all(torch.equal(pt[k], st[k]) for k in pt)
+
+
+# ---------------------------------------------------------------------------------------
+# The data file itself: segments, casts through a small staging buffer, ranged reads
+
+
+def test_entries_round_trip_through_a_small_staging_buffer(tmp_path):
+    from trainer.checkpoint import files, stream
+    from trainer.errors import ConfigError
+
+    torch.manual_seed(0)
+    big = torch.randn(700_000)  # 2.8 MB: crosses block boundaries
+    half = torch.randn(300, 7, dtype=torch.bfloat16).t()  # cast to fp32, not contiguous
+    flags = torch.tensor([True, False, True])
+    entries = [
+        stream.Entry("flags", torch.bool, [3], [flags]),
+        stream.Entry("big", torch.float32, [700_010], [3, big, 7]),  # zeros around it
+        stream.Entry("half", torch.float32, [7, 300], [half]),
+    ]
+    path = tmp_path / "rank0.bin"
+    index = files.write_data(path, entries, buffer_bytes=4096)
+    assert path.stat().st_size == index["size"] == stream.planned_bytes(entries)
+    assert len(index["crcs"]) == -(-index["size"] // stream.BLOCK)
+    data = stream.DataFile(path, index)
+    out = torch.empty(700_010)
+    data.read("big", 0, out)
+    assert torch.equal(out, torch.cat([torch.zeros(3), big, torch.zeros(7)]))
+    part = torch.empty(5, dtype=torch.float64)  # a range, cast on the way in
+    data.read("big", 262_140, part)
+    assert torch.equal(part, big[262_137:262_142].double())
+    got = torch.empty(2100)
+    data.read("half", 0, got)
+    assert torch.equal(got.view(7, 300), half.float())
+    flags_out = torch.empty(3, dtype=torch.bool)
+    data.read("flags", 0, flags_out)
+    assert torch.equal(flags_out, flags)
+    data.close()
+    # A flipped byte is found by a read of any range in its block, and only there.
+    _, _, offset, _ = index["entries"]["big"]
+    with open(path, "r+b") as f:
+        f.seek(offset + 4 * 600_000)
+        f.write(b"\xff")
+    data = stream.DataFile(path, index)
+    data.read("big", 0, torch.empty(10))  # another block: fine
+    end = min(3 * stream.BLOCK, index["size"])  # the file's third block
+    with pytest.raises(ConfigError, match=rf"rank0.bin is corrupted: bytes 2097152\.\.{end} do"):
+        data.read("big", 599_990, torch.empty(20))
+    data.close()
