@@ -13,7 +13,8 @@ GPT (vocabulary 256, 64 positions: Ψ ≈ 12 L d²), takes one AdamW step on ran
 then: `save` (checkpoint.save into --dir/<mode>), or with --resume-from, `resume`
 (checkpoint.load into a freshly built engine; its optimizer state, which a first step
 allocates too, is part of it: 8Ψ/P in zero and fsdp, 8Ψ in ddp); rank 0 then
-`consolidate`s the checkpoint (the model once, 4Ψ). Run it for two sizes and read the
+`consolidate`s the checkpoint (the model once, 4Ψ) and, with --export DIR, writes it as
+safetensors in shards of 100 MB (what export_hf.py writes). Run it for two sizes and read the
 growth between them: fixed overheads cancel. Prints one JSON line per rank.
 """
 
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=512)
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--resume-from", type=Path, default=None)
+    parser.add_argument("--export", type=Path, default=None, help="also export to this dir")
     args = parser.parse_args()
 
     from trainer import checkpoint, comm
@@ -118,6 +120,13 @@ def main() -> None:
             state = checkpoint.consolidate(path)
             del state
         out |= {"consolidate_MiB": whole.mib, "consolidate_s": round(time.perf_counter() - t0, 2)}
+        if args.export is not None:  # as export_hf.py writes it, --max-shard-size 100MB
+            from trainer.checkpoint.export import write_model
+
+            t0 = time.perf_counter()
+            with Peak() as export:
+                write_model(path, args.export, lambda k: k, lambda keys: keys[:1], None, 10**8)
+            out |= {"export_MiB": export.mib, "export_s": round(time.perf_counter() - t0, 2)}
     print(json.dumps(out), flush=True)
     tdist.shutdown()
 
