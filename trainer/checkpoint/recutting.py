@@ -47,6 +47,13 @@ class Checkpoint:
         self.layout = self.meta["layout"]
         self.indexes: dict[int, dict[str, Any]] = {}
         self.data: dict[int, stream.DataFile] = {}
+        # parameter name -> (saved group, offset in it, holders as (rank, start, end))
+        self.where: dict[str, tuple[int, int, list[tuple[int, int, int]]]] = {}
+        for j, g in enumerate(self.layout["groups"]):
+            held_by = range(holders(self.layout)) if g["sharded"] else [0]
+            ranges = [(r, *g["ranges"][r]) for r in held_by]
+            for n, offset in zip(g["names"], g["offsets"], strict=True):
+                self.where[n] = (j, offset, ranges)
 
     def open(self, ranks: set[int]) -> None:
         """Read and check the indexes of `ranks` and the sizes of their data files."""
@@ -59,22 +66,10 @@ class Checkpoint:
         for d in self.data.values():
             d.close()
 
-    def sources(self, name: str) -> tuple[int, int, list[tuple[int, int, int]]]:
-        """Where parameter `name` is saved: (group, offset in its flat buffer, holders as
-        (rank, range start, range end))."""
-        if not hasattr(self, "_where"):
-            self._where = {}
-            for j, g in enumerate(self.layout["groups"]):
-                held_by = range(holders(self.layout)) if g["sharded"] else [0]
-                ranges = [(r, *g["ranges"][r]) for r in held_by]
-                for n, offset in zip(g["names"], g["offsets"], strict=True):
-                    self._where[n] = (j, offset, ranges)
-        return self._where[name]
-
     def copies(self, name: str, start: int, end: int, at: int) -> list[Copy]:
         """The ranges that hold elements [start, end) of parameter `name`, which go to
         this rank's group at `at` onwards."""
-        j, offset, ranges = self.sources(name)
+        j, offset, ranges = self.where[name]
         a, b = offset + start, offset + end
         out = []
         for r, lo, hi in ranges:
@@ -122,10 +117,12 @@ def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
                 keys |= {e[len(prefix) :] for e in entries if e.startswith(prefix)}
             per_element.append(sorted(keys))
 
+        sizes = [g["ranges"][rank][1] - g["ranges"][rank][0] for g in mine["groups"]]
+
         def fill(i: int, key: str | None, out: torch.Tensor | None, start: int) -> None:
             """Elements [start, start + n) of this rank's group i, from the files; `out`
             None: check them only."""
-            n = out.numel() if out is not None else plan_sizes[i]
+            n = out.numel() if out is not None else sizes[i]
             for r, j, src, dst, count in plan[i]:
                 a, b = max(dst, start), min(dst + count, start + n)
                 if a >= b:
@@ -136,15 +133,13 @@ def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
                 part = out[a - start : b - start] if out is not None else None
                 ckpt.read(r, entry, src + a - dst, part, b - a)
 
-        plan_sizes = [g["ranges"][rank][1] - g["ranges"][rank][0] for g in mine["groups"]]
         for i in range(len(plan)):  # every range once, checked against its checksums
             for key in [None, *per_element[i]]:
                 fill(i, key, None, 0)
         for k in buffers:
             ckpt.replicated(k, None)
-    except BaseException:
-        ckpt.close()
-        raise
+    finally:
+        ckpt.close()  # reopened by `load`, if it comes to that
 
     def load(engine) -> None:
         try:
@@ -253,7 +248,7 @@ def model_tensors(path: Path, only: set[str] | None = None) -> Iterator[tuple[st
                 value = last[1]
             else:
                 shape = shapes[name]
-                j, _, ranges = ckpt.sources(name)
+                j, _, ranges = ckpt.where[name]
                 dtype = ckpt.data[ranges[0][0]].entry(f"params/{j}")[0]
                 value = torch.empty(shape, dtype=dtype)
                 flat = value.reshape(-1)
@@ -279,7 +274,7 @@ def model_entries(path: Path) -> list[tuple[str, str | None, torch.dtype, tuple[
             dtype, shape = ckpt.meta["replicated"][key]
             out.append((key, None, stream.dtype_of(dtype), tuple(shape)))
         else:
-            j, _, ranges = ckpt.sources(name)
+            j, _, ranges = ckpt.where[name]
             dtype = ckpt.data[ranges[0][0]].entry(f"params/{j}")[0]
             out.append((key, name, dtype, shapes[name]))
     return out
