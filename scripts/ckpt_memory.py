@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from trainer import checkpoint, comm
-    from trainer import dist as tdist
+    from trainer.run import dist as tdist
 
     torch.set_num_threads(1)
     env = tdist.init("gloo")

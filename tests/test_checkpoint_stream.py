@@ -18,7 +18,7 @@ from dist_harness import run_distributed
 from test_checkpoint_safety import TINY, _error_lines
 from test_cli import ROOT, run_cli
 
-from trainer import heap
+from trainer.observe import heap
 
 # ---------------------------------------------------------------------------------------
 # Memory: a save's extra memory is the staging buffer, not the model
