@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -49,8 +50,29 @@ def _run(tmp: Path, name: str, *args: str, nproc: int | None = None) -> Path:
 def test_gpt_on_own_text_resumes_bitwise_samples_and_exports(tmp_path, text_dir):
     data = f"data.dir={text_dir}"
     whole = _run(tmp_path, "whole", *GPT, data, "train.steps=8")
-    _run(tmp_path, "halves", *GPT, data, "train.steps=4")
-    halves = _run(tmp_path, "halves", *GPT, data, "train.steps=8", "resume=auto")
+    halves = _run(tmp_path, "halves", *GPT, data, "train.steps=4")
+
+    # Other text of the same length and characters (the same token count and vocabulary):
+    # refused in one line, the checkpoint left as it was ([Note: what the data is]).
+    checkpoints = halves / "checkpoints"
+    before = {p: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()}
+    (tmp_path / "other.txt").write_text(TEXT.translate(str.maketrans("12", "21")))
+    prepare([tmp_path / "other.txt"], tmp_path / "other", "char", 0.1)
+    args = [f"hydra.run.dir={halves}", *TRAIN, *GPT, f"data.dir={tmp_path / 'other'}"]
+    proc = run_cli([*args, "train.steps=8", "resume=auto"], None)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = [ln for ln in proc.stderr.replace("\r", "\n").splitlines() if "error" in ln]
+    assert (
+        f"error: {checkpoints / 'step_000004' / 'meta.pt'}: the token data "
+        f"{(tmp_path / 'other' / 'train.bin').resolve()} (" in line
+    ), line
+    assert f"trained on, {(text_dir / 'train.bin').resolve()} (" in line, line
+    assert {p: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()} == before
+
+    # The same tokens at another path resume: moved data is the same data.
+    moved = tmp_path / "moved"
+    shutil.copytree(text_dir, moved)
+    halves = _run(tmp_path, "halves", *GPT, f"data.dir={moved}", "train.steps=8", "resume=auto")
     a = torch.load(whole / "final_model.pt", weights_only=True)
     b = torch.load(halves / "final_model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the data position resumed exactly

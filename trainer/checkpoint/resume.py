@@ -24,7 +24,7 @@ from trainer import comm
 from trainer.checkpoint import agree, files
 from trainer.checkpoint.recutting import prepare
 from trainer.checkpoint.rng import set_rng_state
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, NotResumable
 from trainer.parallel import state as engine_state
 
 
@@ -128,11 +128,6 @@ def _claim(directory: Path, lineage: str | None) -> str:
     return lineage
 
 
-class NotResumable(ConfigError):
-    """The checkpoint is sound but this run's config cannot continue it: refused, not
-    skipped for an older checkpoint (which would have the same values)."""
-
-
 # Keys a resumed run must share with its checkpoint, and why. (`root` and `download` of
 # a dataset only say where its files are.) A changed train.grad_accum_steps or world size
 # is taken: the same samples make each step, only cut into other micro-batches or ranks.
@@ -233,12 +228,20 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
     meta, state, rng = prepared
     refuse_changes(cfg, path, meta)  # every rank alike: the same files and config
     mine = _hparams(engine.optimizer)  # the values this run was built with
-    for name, obj in stateful.items():
+    refusal = None
+    for name, obj in stateful.items():  # the sampler first: it refuses other data
         if name in meta["state"]:
             try:
                 obj.load_state_dict(meta["state"][name])
             except ConfigError as e:
-                raise ConfigError(f"{path / 'meta.pt'}: {e}") from None
+                refusal = f"{path / 'meta.pt'}: {e}"
+                break
+    # A rank's data may differ from the others' (a copy per node): all refuse alike, and
+    # at once, since an older checkpoint of the same run would be refused the same way.
+    with comm.unaccounted():
+        refusal = agree.first_error(refusal, agree.device_of(engine))
+    if refusal is not None:
+        raise NotResumable(refusal)
     with comm.unaccounted():
         engine_state.load_sharded_state(engine, state)
     _keep_hparams(engine.optimizer, mine, stateful.get("scheduler"))
