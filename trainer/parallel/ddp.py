@@ -87,6 +87,7 @@ class DDPEngine(Engine):
         self._flags = self.buckets[-1].buffer[self.buckets[-1].layout.numel :]  # (n,)
         self._used = UsedFlags(params)
         self._skipped: set[int] = set()  # positions whose .grad is None until the next step
+        self._reduced = False  # a synced backward ended since the last step
         if mp.mixed:  # fp32 masters from the fp32 values, then the module is cast
             for b in self.buckets:
                 b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
@@ -151,6 +152,16 @@ class DDPEngine(Engine):
         self._skipped = self._used.unused_everywhere(self._flags)
         for i in self._skipped:
             self._masters[i][1].grad = None
+        self._reduced = True
+
+    def _step(self) -> None:
+        if not self._reduced:
+            # No backward since the last step (an evaluation step, say): no parameter has
+            # a gradient, as in one process, although the buckets' zeros sit in .grad.
+            self._skipped = set(range(len(self._masters)))
+            for _, m in self._masters:
+                m.grad = None
+        super()._step()
 
     @torch.no_grad()
     def params_from_masters(self) -> None:
@@ -176,6 +187,7 @@ class DDPEngine(Engine):
                 p = self._masters[i][0]
                 p.grad = self._view_of[id(p)]
         self._skipped = set()
+        self._reduced = False
         self._used.clear()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
