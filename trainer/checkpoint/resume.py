@@ -46,7 +46,7 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
     0), which resumes as with auto. Values given on the command line win over the
     checkpoint's (optimizer hyperparameters, schedule, steps, train.grad_accum_steps); one
     line names those that differ. A changed seed, dataset or train.batch_size is refused,
-    and so are other tokens ([Note: what the data is] in trainer/tokens.py).
+    and so are other tokens ([Note: what the data is] in trainer/data/tokens.py).
     """
     check_config(cfg)
     choice = cfg.get("resume")

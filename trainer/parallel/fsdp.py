@@ -32,15 +32,15 @@ from trainer import comm
 from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
 from trainer.errors import ConfigError
-from trainer.materialize import Source, swap_into
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
-from trainer.parallel.pieces import ShardGroup
+from trainer.models.materialize import Source, swap_into
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
+from trainer.parallel.pieces import ShardGroup, split_by_options
+from trainer.parallel.precision import Precision
+from trainer.parallel.scaling import LossScaler
 from trainer.parallel.schedule import Schedule
 from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import Arrivals, UsedFlags
-from trainer.precision import Precision
-from trainer.scaling import LossScaler
 
 
 class _UnitBuffer(ShardedBuffer):
