@@ -188,6 +188,13 @@ def test_hf_run_exports_a_directory_from_pretrained_loads(tmp_path, text_dir):
     run = _run(
         tmp_path, "llama", *args, "mode=fsdp", "train.steps=4", "train.batch_size=8", nproc=2
     )
+    # The run's own final_model/ loads as it is (export_hf.py is for older runs)
+    final = torch.load(run / "final_model.pt", weights_only=True)
+    own = AutoModelForCausalLM.from_pretrained(run / "final_model")
+    assert own.state_dict().keys() == {k.removeprefix("hf.") for k in final}
+    assert all(torch.equal(v, final[f"hf.{k}"]) for k, v in own.state_dict().items())
+    assert (run / "final_model" / "meta.json").is_file()  # the tokenizer, for sample.py
+
     out = tmp_path / "llama_hf"
     export(run, out, max_shard_size="20KB")
     assert (out / "model.safetensors.index.json").is_file()  # split above --max-shard-size
