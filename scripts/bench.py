@@ -33,7 +33,7 @@ the JSON keeps each round's medians.
 [Note: how memory is measured] Two figures per rank, in units of 16Ψ (fp32 params,
 grads and AdamW's two moments: what one process training alone holds; Ψ = parameters):
   state  live model-state storages right after the optimizer step (its post-hook), each
-         storage counted once: ours from `trainer.memory.measure(engine)` (params, grads,
+         storage counted once: ours from `trainer.observe.memory.measure(engine)` (params, grads,
          optimizer state; comm buffers apart); PyTorch's from the module's parameters (a
          DTensor by its local shard), their `.grad`, the optimizer state and, for DDP, its
          gradient buckets (the Reducer keeps a flat copy of all gradients beside `.grad`
@@ -43,7 +43,7 @@ grads and AdamW's two moments: what one process training alone holds; Ψ = param
          before the model was built. Heap use is glibc's `mallinfo2()` (in-use heap
          chunks + blocks malloc mapped on its own: every thread and arena, so buffers of
          the backend's own threads count too), sampled after every tensor op of the step
-         (trainer/heap.py's TorchDispatchMode: forward, backward, hooks, optimizer). It
+         (trainer/observe/heap.py's TorchDispatchMode: forward, backward, hooks, optimizer). It
          includes what the step holds for a moment: gathered units, bucket buffers, receive buffers,
          autograd's per-parameter gradients, optimizer temporaries, activations.
          (torch.profiler's memory events were tried first: they miss frees made on
@@ -80,12 +80,13 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer import comm, heap  # noqa: E402
-from trainer import dist as tdist  # noqa: E402
-from trainer.memory import measure  # noqa: E402
-from trainer.models import MLP  # noqa: E402
+from trainer import comm  # noqa: E402
+from trainer.models.builtin import MLP  # noqa: E402
+from trainer.observe import heap  # noqa: E402
+from trainer.observe.memory import measure  # noqa: E402
 from trainer.parallel import build_engine  # noqa: E402
 from trainer.parallel.units import plan_units  # noqa: E402
+from trainer.run import dist as tdist  # noqa: E402
 
 CONTENDERS = ("floor", "ddp", "torch_ddp", "zero", "fsdp2_keep", "fsdp", "fsdp2")
 HYBRID = ("zero_hybrid", "fsdp2_hsdp_keep", "fsdp_hybrid", "fsdp2_hsdp")
@@ -266,17 +267,29 @@ def build(name: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor, s
 # Measuring
 
 
-def timed_steps(b: Built, warmup: int, steps: int) -> tuple[list[float], float, float]:
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` before the clock is read: on CUDA a step
+    returns when its kernels are queued, not run. A no-op on CPU, where ops are done when
+    they return; every contender is timed the same way."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(
+    b: Built, warmup: int, steps: int, device: torch.device
+) -> tuple[list[float], float, float]:
     """Per-step seconds (slowest rank per step), bytes sent per step and, of those, the
     bytes sent between shard groups."""
     for _ in range(warmup):
         b.step()
+    synchronize(device)
     comm.barrier().wait()
     comm.stats.reset()
     times = torch.empty(steps, dtype=torch.float64)  # (steps,)
     for i in range(steps):
         t0 = time.perf_counter()
         b.step()
+        synchronize(device)
         times[i] = time.perf_counter() - t0
     sent = sum(comm.stats.bytes_sent.values()) / steps
     across = comm.stats.bytes_across / steps
@@ -349,7 +362,7 @@ def run(args: argparse.Namespace) -> dict:
         for n in order:
             gc.collect()
             b = build(n, args.width, args.depth, x, y, s)
-            ts, sent[n], across[n] = timed_steps(b, args.warmup, args.steps)
+            ts, sent[n], across[n] = timed_steps(b, args.warmup, args.steps, x.device)
             del b
             times[n] += ts
             medians[n] = statistics.median(ts)
@@ -509,7 +522,7 @@ def targets(result: dict) -> list[str]:
 def hybrid_targets(result: dict, by_name: dict[str, dict]) -> list[str]:
     """Hybrid sharding: step time against FSDP2's HSDP no worse than full sharding's
     against FSDP2; bytes across groups and model state per rank against their formulas
-    (trainer/memory.py: 2(R-1)/R · 4Ψ/S across, fp32 AdamW state 16Ψ/S for fsdp and
+    (trainer/observe/memory.py: 2(R-1)/R · 4Ψ/S across, fp32 AdamW state 16Ψ/S for fsdp and
     4Ψ + 12Ψ/S for zero)."""
     c = result["config"]
     s, p, psi = c.get("shard_group_size"), c["world_size"], c["psi"]

@@ -16,15 +16,15 @@ the ratios come from steps timed side by side. A step's time is the slowest rank
     ddp, zero, fsdp   build_engine(model, mode, AdamW) stepped as trainer/run/loop.py steps
                  it (`forward_backward`, `engine.step()`), on each rank's part of the
                  global batch (batch-per-rank windows per rank)
-    *_compiled   with --compile: the same after trainer.compile.compile_layers(model)
+    *_compiled   with --compile: the same after trainer.models.compile.compile_layers(model)
                  (train.compile=true: each GPT block's forward through torch.compile)
 
-Same for all: trainer.models.GPT built from seed 0 (`--nanogpt`: bias-free with a tied
-head, as model=nanogpt), AdamW(lr=1e-3) with PyTorch's default implementation (`--fused`:
-torch's fused AdamW, optim=adamw's default; `--bucket-mb`: ddp's and zero's buckets), one
-fixed batch of windows per rank drawn from the token data
+Same for all: trainer.models.builtin.GPT built from seed 0 (`--nanogpt`: bias-free with a
+tied head, as model=nanogpt), AdamW(lr=1e-3) with PyTorch's default implementation
+(`--fused`: torch's fused AdamW, optim=adamw's default; `--bucket-mb`: ddp's and zero's
+buckets), one fixed batch of windows per rank drawn from the token data
 (`data=tokens`'s synthetic bigram sequences, or `--data DIR` read by
-trainer.tokens.TokenData as `data=token_file data.dir=DIR` reads it), `--threads`
+trainer.data.tokens.TokenData as `data=token_file data.dir=DIR` reads it), `--threads`
 torch threads per rank. Columns: tokens/s = global tokens per step / median step time;
 / floor: against the floor of the same launch (same P); / 1-rank floor: against the
 floor of the 1-rank launch, when `--nproc` has 1; / eager: a compiled contender against
@@ -51,9 +51,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench import Built, launch, report, timed_steps, without_nproc  # noqa: E402
 
-from trainer import dist as tdist  # noqa: E402
-from trainer.compile import compile_layers  # noqa: E402
-from trainer.models import GPT, loss_fn  # noqa: E402
+from trainer.models.builtin import GPT, loss_fn  # noqa: E402
+from trainer.models.compile import compile_layers  # noqa: E402
+from trainer.run import dist as tdist  # noqa: E402
 
 MODES = ("ddp", "zero", "fsdp")
 
@@ -103,10 +103,10 @@ def contenders(args: argparse.Namespace) -> list[str]:
 
 def dataset(args: argparse.Namespace):
     if args.data is not None:
-        from trainer.tokens import TokenData
+        from trainer.data.tokens import TokenData
 
         return TokenData(dir=str(args.data), block_size=args.block_size)
-    from trainer.data import synthetic_tokens
+    from trainer.data.datasets import synthetic_tokens
 
     n = 64 * args.batch_per_rank
     return synthetic_tokens(n=n, block_size=args.block_size, vocab_size=args.vocab_size)
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         for n in order:
             gc.collect()
             b = build(n, args, vocab, x, y)
-            ts, _, _ = timed_steps(b, args.warmup, args.steps)
+            ts, _, _ = timed_steps(b, args.warmup, args.steps, x.device)
             del b
             times[n] += ts
             medians[n] = statistics.median(ts)

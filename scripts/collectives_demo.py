@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node=4 scripts/collectives_demo.py all_to_all
     torchrun --standalone --nproc-per-node=4 scripts/collectives_demo.py all
 
-With 4 ranks the values are the reference table of COLLECTIVES.md; other world sizes
+With 4 ranks the values are the reference table of docs/collectives.md; other world sizes
 follow the same rules. Letters A, B, C, D stand for "rank 0's item", "rank 1's item", ...
 Every demo goes through trainer.comm, the package the trainer itself uses (scatter and the
 all-to-alls through trainer/comm/all_to_all.py, on the same launch path), so this is the
@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer import comm  # noqa: E402
-from trainer import dist as tdist  # noqa: E402
 from trainer.comm.all_to_all import all_to_all, all_to_all_uneven, scatter  # noqa: E402
-from trainer.dist import DistEnv  # noqa: E402
+from trainer.run import dist as tdist  # noqa: E402
+from trainer.run.dist import DistEnv  # noqa: E402
 
 # Every demo returns (before, after) for its rank: the values as shown to people (lists of
 # ints or letters, or a word such as "empty"), so tests can compare them directly.

@@ -11,7 +11,7 @@ the gathered output, the reduce-scatter input, one rank's all-to-all buffer);
 algbw = size / time; busbw = algbw x factor, the factor that makes busbw comparable
 with the link's bandwidth: all_reduce 2(P-1)/P, all_gather, reduce_scatter and
 all_to_all (P-1)/P, broadcast and reduce 1. "ring traffic/rank" is what one rank sends
-under the ring algorithm (COLLECTIVES.md): the bytes the link must carry.
+under the ring algorithm (docs/collectives.md): the bytes the link must carry.
 Time per size is the median over --iters of the slowest rank's time.
 """
 
@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer import comm  # noqa: E402
-from trainer import dist as tdist  # noqa: E402
 from trainer.comm.all_to_all import all_to_all  # noqa: E402
-from trainer.dist import DistEnv  # noqa: E402
+from trainer.run import dist as tdist  # noqa: E402
+from trainer.run.dist import DistEnv  # noqa: E402
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
 HAS_P2P = {"reduce_scatter", "all_gather"}

@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # trainer/, and memory_chart 
 
 from memory_chart import chart  # noqa: E402  (scripts/, beside this file)
 
-from trainer.tb_layout import run_layout  # noqa: E402
+from trainer.observe.tb_layout import run_layout  # noqa: E402
 
 MiB = 2**20
 MODES = ("ddp", "zero", "fsdp")
@@ -292,7 +292,7 @@ def write_summary(out: Path, all_results: dict[int, dict[str, dict]], text: str)
     One run per mode, not one run with a tag per mode: TensorBoard colours lines by run,
     so each mode gets its own colour, the same in every chart, and its name in the legend.
     Each writes the same layout: the comparison first, then the charts of every run it
-    summarises ([Note: one layout, merged over runs] in trainer/tb_layout.py); its name
+    summarises ([Note: one layout, merged over runs] in trainer/observe/tb_layout.py); its name
     sorts before `p<P>/`, so TensorBoard takes its layout first. The first mode's run
     also holds the headline as a text summary."""
     from torch.utils.tensorboard import SummaryWriter

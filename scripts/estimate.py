@@ -23,7 +23,7 @@ from trainer.errors import ConfigError  # noqa: E402
 from trainer.estimate import Cluster, compose_modes, estimate  # noqa: E402
 from trainer.estimate.report import table, to_json  # noqa: E402
 from trainer.estimate.run import peak_flops  # noqa: E402
-from trainer.precision import Precision  # noqa: E402
+from trainer.parallel.precision import Precision  # noqa: E402
 from trainer.run.cli import check_group_choices, fail  # noqa: E402
 
 

@@ -7,7 +7,7 @@ model=hf: a Hugging Face directory (config.json, model.safetensors, split with
 model.safetensors.index.json above --max-shard-size, tied weights stored once) that
 `AutoModelForCausalLM.from_pretrained(OUT)` loads with no code of ours, and that is a
 valid `model=hf model.path=OUT` for the next run. model=gpt: model.safetensors (tied
-weights once) and our config.json, which `trainer.lm.load_exported(OUT)` and
+weights once) and our config.json, which `trainer.models.lm.load_exported(OUT)` and
 scripts/sample.py read; it is not mapped onto transformers' GPT-2 layout. The data's
 tokenizer files go beside the weights (a tokenizer.json also as a transformers fast
 tokenizer). Weights are the run's, bitwise, in fp32 unless --dtype says otherwise.
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.lm import CausalLM, run_model  # noqa: E402
+from trainer.models.lm import CausalLM, run_model  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer.data.text import codec_from_meta  # noqa: E402
+from trainer.data.tokens import read_meta  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.lm import generate, run_model  # noqa: E402
-from trainer.text import codec_from_meta  # noqa: E402
-from trainer.tokens import read_meta  # noqa: E402
+from trainer.models.lm import generate, run_model  # noqa: E402
 
 
 def sample(
@@ -36,7 +36,14 @@ def sample(
     model, model_dir, _ = run_model(run)
     codec = codec_from_meta(read_meta(model_dir), model_dir)
     if codec is None:  # ids in, ids out
-        ids = [int(t) for t in prompt.split()] or [0]
+        try:
+            ids = [int(t) for t in prompt.split()] or [0]
+        except ValueError:
+            raise ConfigError(
+                f"--prompt {prompt!r}: the run's data names no tokenizer ({model_dir} has no "
+                "meta.json or meta.pkl that tells one), so the prompt is token ids separated "
+                "by spaces, e.g. --prompt '0 5 7'"
+            ) from None
     else:
         try:
             ids = codec.encode(prompt).tolist() or [0]

@@ -41,7 +41,7 @@ def worker(
     )
     import torch
 
-    from trainer import dist as tdist
+    from trainer.run import dist as tdist
 
     torch.set_num_threads(1)  # P ranks share two cores
     try:

@@ -107,13 +107,13 @@ VOCAB, SEQ = 17, 8
 
 
 def _gpt(tie: bool) -> nn.Module:
-    from trainer.models import GPT
+    from trainer.models.builtin import GPT
 
     return GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=3, n_head=3, n_embd=15, tie_weights=tie)
 
 
 def _resnet18() -> nn.Module:
-    from trainer.models import resnet18
+    from trainer.models.builtin import resnet18
 
     return resnet18(num_classes=OUT)
 

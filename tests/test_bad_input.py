@@ -146,7 +146,7 @@ def test_every_mode_and_optim_key_is_typed(overrides, reason):
     from hydra.errors import ConfigCompositionException
     from test_cli import ROOT
 
-    from trainer import schema  # noqa: F401  (registers the types)
+    from trainer.config import schema  # noqa: F401  (registers the types)
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         with pytest.raises(ConfigCompositionException) as e:
@@ -159,9 +159,9 @@ def test_each_mode_and_optim_choice_composes_with_its_schema():
     from omegaconf import OmegaConf
     from test_cli import ROOT
 
-    from trainer import schema
+    from trainer.config import schema
     from trainer.errors import ConfigError
-    from trainer.optim import optimizer_factory
+    from trainer.run.optim import optimizer_factory
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         for group, choice, node in [
@@ -186,3 +186,29 @@ def test_each_mode_and_optim_choice_composes_with_its_schema():
                 if choice == "adamw":  # both: one line, not torch's traceback at the build
                     with pytest.raises(ConfigError, match="optim.fused=null to use foreach"):
                         optimizer_factory(cfg.optim)
+
+
+@pytest.mark.parametrize(
+    "meta, tokenizer, ranks, needle",
+    [
+        ("{bad", None, None, "meta.json is not JSON (Expecting property name enclosed in double"),
+        ('{"tokenizer": "hf"}', '{"x":', 2, "tokenizer.json is not a tokenizer the tokenizers"),
+    ],
+    ids=["meta_not_json", "tokenizer_json"],
+)
+def test_bad_token_directory_gets_one_line(tmp_path, meta, tokenizer, ranks, needle):
+    import numpy as np
+
+    data = tmp_path / "tokens"
+    data.mkdir()
+    (np.arange(4000) % 20).astype(np.uint16).tofile(data / "train.bin")
+    (data / "meta.json").write_text(meta)
+    if tokenizer is not None:
+        (data / "tokenizer.json").write_text(tokenizer)
+    extra = [f"launcher.nproc={ranks}", "train.batch_size=4"] if ranks else []
+    args = ["model=gpt", "data=token_file", f"data.dir={data}", "train.eval_every=0"]
+    proc = run_cli([*args, *extra, "train.steps=2", f"run.root={tmp_path}"], nproc=None)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    # one line, on every rank alike: no other rank reports a peer that went away
+    assert len(lines) == 1 and needle in lines[0] and str(data) in lines[0], proc.stderr[-2000:]

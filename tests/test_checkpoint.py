@@ -28,16 +28,16 @@ OPTIONS = {"ddp": {"bucket_mb": 0.004}, "zero": {"bucket_mb": 0.004}, "fsdp": {}
 
 
 def _model(seed: int, n_embd: int = 12):
-    from trainer.models import GPT
+    from trainer.models.builtin import GPT
 
     torch.manual_seed(seed)  # tied embeddings: two state_dict keys, one parameter
     return GPT(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=n_embd, tie_weights=True)
 
 
 def _build(env, mode: str, seed: int, n_embd: int = 12, mixed: bool = False):
-    from trainer.data import make_loader, synthetic_tokens
-    from trainer.optim import no_decay_bias_norm
+    from trainer.data.datasets import make_loader, synthetic_tokens
     from trainer.parallel import build_engine
+    from trainer.run.optim import no_decay_bias_norm
 
     # eps 1e-3: see reference.OPTIMIZERS (zero-gradient parameters and rounding noise)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01, eps=1e-3)

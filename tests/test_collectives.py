@@ -1,4 +1,4 @@
-"""Textbook outcomes of every collective on 4 ranks (the table in COLLECTIVES.md).
+"""Textbook outcomes of every collective on 4 ranks (the table in docs/collectives.md).
 
 The demo functions of scripts/collectives_demo.py run on 4 real Gloo processes once per
 module and each test checks one primitive's before/after. One test runs the demo script

@@ -156,7 +156,7 @@ def _buffers_held_after_the_wait(env) -> dict[str, object]:
 
     from trainer import comm as package  # the names the engines call
     from trainer.parallel import build_engine
-    from trainer.parallel.engine import broadcast_tensors
+    from trainer.parallel.broadcast import broadcast_tensors
 
     held: dict[str, list[torch.Tensor]] = {"broadcast": [], "reduce_scatter": []}
     real = {op: getattr(package, op) for op in held}  # what the ops were handed, kept

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tb_events import layout, scalars, text
 
-from trainer.memory import expected
+from trainer.observe.memory import expected
 
 ROOT = Path(__file__).resolve().parents[1]
 PSI = 3_192_842  # the script's default MLP (hidden 1024, depth 4)

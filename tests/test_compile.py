@@ -1,4 +1,4 @@
-"""train.compile=true: each layer's forward compiled (trainer/compile.py) trains as the
+"""train.compile=true: each layer's forward compiled (trainer/models/compile.py) trains as the
 eager model does in every mode, at 2 ranks, with SGD, without a graph break; the
 training loop applies it from the config.
 
@@ -17,9 +17,9 @@ from dist_harness import run_distributed
 from reference import OPTIMIZERS, assert_state_close, batches, make_model, rank_slice
 from test_cli import run_cli
 
-from trainer.compile import compile_layers, layers
 from trainer.errors import ConfigError
-from trainer.models import GPT, MLP
+from trainer.models.builtin import GPT, MLP
+from trainer.models.compile import compile_layers, layers
 
 MODES = ("ddp", "zero", "fsdp")
 STEPS, BATCH = 3, 8

@@ -14,7 +14,9 @@ Two sweeps, each in one process group per world size:
     expansion or not), with activation checkpointing, frozen units and a weight tied
     across units, trained for 3 steps of 2 micro-batches (the first under no_sync), each
     rank and step drawing its own skips, consecutive repeats (`x = l(l(x))`), outputs
-    left out of the loss and layers run only in the no_sync micro-batch.
+    left out of the loss, layers run only in the no_sync micro-batch and layers called
+    again under no_grad (after frozen layers); and, every rank alike, a layer run alone
+    (forward, backward, step) between steps.
 A unit run again after another unit ran in between (`l1, l2, l1`) is refused by fsdp
 with reshard_after_forward=true on more than one rank: its second AllGather would have no
 partner on a rank that calls it once. That refusal is tested on its own, at the end.
@@ -91,10 +93,20 @@ class Deep(nn.Module):
             self.layers[i].requires_grad_(False)
 
     def forward(self, x, plan: tuple):
-        """`plan`: what to run, in order: a layer index, or ("aside", i) for a layer whose
-        output the loss does not use."""
+        """`plan`: what to run, in order: a layer index, ("aside", i) for a layer whose
+        output the loss does not use, or ("nograd", i) for a layer run under no_grad, its
+        output added to the activations (FSDP2's test_multi_forward_mixed_requires_grad).
+        ("alone", i): layer i alone on the input, as `model.layers[i](x)` (torch DDP's way
+        of running a non-root layer: its reducer knows only forwards through its root)."""
+        if plan[:1] == ("alone",):
+            return self.layers[plan[1]](x)
         h = self.inp(x)
         for step in plan:
+            if isinstance(step, tuple) and step[0] == "nograd":
+                with torch.no_grad():
+                    extra = self.layers[step[1]](h)
+                h = h + 0.5 * extra
+                continue
             if isinstance(step, tuple):
                 _ = self.layers[step[1]](h)  # run, but left out of the loss
                 continue
@@ -124,6 +136,9 @@ class Case:
     plans: tuple
     micro: int = 2  # micro-batches per step; all but the last under no_sync
     seed: int = 0
+    # between[step]: a layer that every rank then runs alone, forward and backward, with
+    # a step of its own (FSDP2's test_non_root_forward_backward); None: nothing
+    between: tuple = ()
 
 
 def _slice(t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -157,6 +172,16 @@ def _train(env, case: Case, mode: str) -> dict[str, torch.Tensor]:
             opt.zero_grad()
         else:
             runner.step()
+        k = case.between[step] if step < len(case.between) else None
+        if k is not None:  # a forward and backward of layer k alone, then a step
+            x = _slice(data[step][0][0], env.rank)
+            if mode == "torch_ddp":  # through its root: see Deep.forward
+                runner(x, ("alone", k)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                model.layers[k](x).pow(2).mean().backward()  # not through the root
+                runner.step()
     if mode == "torch_ddp":
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
     return runner.full_state_dict()
@@ -202,6 +227,17 @@ def _skip_cases(world: int) -> list[Case]:
     # repeats, one rank each, consecutive (x = l1(l1(x))): the issue's shapes
     plan = tuple([(0, 1, 1, 2, 3)] + [(0, 1, 2, 2, 3)] * (world - 1))
     cases.append(Case("repeat_consecutive", SIX, ((plan,) * 2,) * STEPS))
+    # a layer called again under no_grad, with a frozen layer between (FSDP2's
+    # test_multi_forward_mixed_requires_grad), on one rank, and on all ranks
+    frozen = Spec(blocks=SIX.blocks, frozen=frozenset({2}))
+    mixed = (0, 1, 2, ("nograd", 1), 2, 1, ("nograd", 1), 3, 4, 5)
+    plan = tuple([mixed] + [everyone] * (world - 1))
+    cases.append(Case("mixed_grad_one_rank", frozen, ((plan,) * 2,) * STEPS))
+    cases.append(Case("mixed_grad_every_rank", frozen, (((mixed,) * world,) * 2,) * STEPS))
+    # a forward and backward of one layer alone between steps (FSDP2's
+    # test_non_root_forward_backward), with the last rank skipping a layer in the steps
+    plan = tuple([everyone] * (world - 1) + [(0, 1, 3, 4, 5)])
+    cases.append(Case("non_root_between", SIX, ((plan,) * 2,) * STEPS, between=(0, 4, None)))
     return cases
 
 
@@ -215,6 +251,11 @@ def _random_case(seed: int, world: int) -> Case:
     frozen = frozenset(i for i in range(n) if rnd.random() < 0.15 and (not tie or i not in tie))
     spec = Spec(blocks, ckpt, frozen, tie)
 
+    # The shapes added later come from a stream of their own: the draws above stay those
+    # that found the defects named below.
+    more = random.Random(f"{seed}/no_grad and non-root")
+    frozen_units = sorted(frozen)
+
     def plan() -> tuple:
         steps: list = []
         for i in range(n):
@@ -226,10 +267,18 @@ def _random_case(seed: int, world: int) -> Case:
                 steps.append(i)  # again, at once: x = l(l(x))
             elif r > 0.75:
                 steps.append(("aside", i))  # run, but not part of the loss
+            elif more.random() < 0.3:  # again under no_grad, maybe after frozen layers
+                steps += more.sample(frozen_units, min(len(frozen_units), more.randint(0, 2)))
+                steps.append(("nograd", i))
         return tuple(steps)
 
     plans = tuple(tuple(tuple(plan() for _ in range(world)) for _ in "ab") for _ in range(STEPS))
-    return Case(f"random{seed}", spec, plans, seed=seed)
+    # between steps, every rank alike: a layer that has trainable parameters of its own
+    alone = [i for i in range(n) if i not in frozen and (not tie or i not in tie)]
+    between = tuple(
+        more.choice(alone) if alone and more.random() < 0.5 else None for _ in range(STEPS)
+    )
+    return Case(f"random{seed}", spec, plans, seed=seed, between=between)
 
 
 # Seeds 0 and 1 found two defects while fsdp's one order was written (a frozen unit called
@@ -239,7 +288,7 @@ RANDOM_SEEDS = tuple(range(12))
 
 
 def _describe(case: Case) -> str:
-    return f"{case.name}: {case.spec}, plans {case.plans}"
+    return f"{case.name}: {case.spec}, plans {case.plans}, between steps {case.between}"
 
 
 @functools.cache

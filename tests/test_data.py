@@ -11,7 +11,7 @@ import torch
 import torchvision
 from torch.utils.data import TensorDataset
 
-from trainer.data import (
+from trainer.data.datasets import (
     GlobalBatchSampler,
     cifar10,
     make_loader,

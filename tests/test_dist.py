@@ -1,12 +1,12 @@
-"""Device choice and NCCL error handling in trainer/dist.py, checked without a GPU."""
+"""Device choice and NCCL error handling in trainer/run/dist.py, checked without a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainer import dist as tdist
 from trainer.errors import ConfigError, PeerError
+from trainer.run import dist as tdist
 
 
 @pytest.mark.parametrize(

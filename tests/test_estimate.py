@@ -15,12 +15,12 @@ from dist_harness import run_distributed
 from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.build import model_sizes
 from trainer.errors import ConfigError
 from trainer.estimate import Cluster, compose_modes, estimate, layout
 from trainer.estimate.run import build_meta, mode_plan, shard_size
-from trainer.optim import optimizer_factory
-from trainer.precision import Precision
+from trainer.models.build import model_sizes
+from trainer.parallel.precision import Precision
+from trainer.run.optim import optimizer_factory
 
 # conf/'s GPT and MLP, small enough for one step in well under a second, with
 # activations large enough (MBs) for the C heap to measure them.
@@ -122,9 +122,9 @@ def _activations(cfg, x, y) -> int:
     """Heap growth of one forward and backward of the bare model (gradients dropped as
     they come, as the estimate counts them), after a first pass that warms up the
     kernels' own buffers."""
-    from trainer import heap
-    from trainer.models import loss_fn
-    from trainer.precision import cast_module
+    from trainer.models.builtin import loss_fn
+    from trainer.observe import heap
+    from trainer.parallel.precision import cast_module
 
     torch.manual_seed(0)
     model = instantiate(cfg.model, **model_sizes(cfg))
@@ -145,9 +145,9 @@ def _activations(cfg, x, y) -> int:
 
 def _engine(cfg, model, **extra):
     """The engine train.py builds for `cfg` (its mode, optimizer, precision, options)."""
-    from trainer.config import engine_options
-    from trainer.optim import param_options
+    from trainer.config.checks import engine_options
     from trainer.parallel import build_engine
+    from trainer.run.optim import param_options
 
     return build_engine(
         model,
@@ -163,8 +163,8 @@ def _engine(cfg, model, **extra):
 def _build_heap(cfg, dataset, meta: bool) -> int:
     """Heap growth from building the model to the end of check_fit, as train.py builds
     it (train.meta_build): the build peak of [Note: the build peak] in layout.py."""
-    from trainer import heap
-    from trainer.materialize import SeededInit, empty_weights
+    from trainer.models.materialize import SeededInit, empty_weights
+    from trainer.observe import heap
     from trainer.run.fit import check_fit
 
     gc.collect()
@@ -183,7 +183,8 @@ def _build_heap(cfg, dataset, meta: bool) -> int:
 
 
 def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
-    from trainer import comm, memory
+    from trainer import comm
+    from trainer.observe import memory
     from trainer.run.loop import forward_backward
 
     out = []

@@ -1,9 +1,9 @@
 """No host reads of device values in a steady step of any mode and precision, counted two
-ways: the reads that go through trainer.host, and the aten ops that can only run by
+ways: the reads that go through trainer.observe.host, and the aten ops that can only run by
 reading a value back (`_local_scalar_dense` behind `.item()` and `bool()`, `nonzero`).
 On a GPU each would stall the CPU until the device catches up. fp16 decides on the
 device whether to skip a step; only an optimizer that cannot skip by itself makes the
-host read the flag ([Note: dynamic loss scaling] in trainer/scaling.py)."""
+host read the flag ([Note: dynamic loss scaling] in trainer/parallel/scaling.py)."""
 
 import functools
 
@@ -40,7 +40,7 @@ class CountSyncingOps(TorchDispatchMode):
 
 
 def _steady_reads(env, cases) -> dict:
-    from trainer import host
+    from trainer.observe import host
     from trainer.parallel import build_engine
 
     out = {}
@@ -125,7 +125,7 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
     from hydra import compose, initialize_config_dir
     from test_cli import ROOT
 
-    from trainer import host
+    from trainer.observe import host
     from trainer.run import loop as trainer_loop
 
     overrides = [
@@ -159,7 +159,7 @@ def _train_and_count(env, run_dir: str) -> dict[str, tuple[list[str], dict]]:
 
 # The reads and device waits of 12 steps logged every 4: a check before the first step,
 # then per interval: the step clock's wait when its first step starts, the check step
-# and the clock's wait at the log step ([Note: timing steps] in trainer/metrics.py).
+# and the clock's wait at the log step ([Note: timing steps] in trainer/observe/metrics.py).
 LOOP_READS = ["check step"] + ["step clock", "check step", "step clock"] * 3
 
 

@@ -99,7 +99,8 @@ def _fsdp2_hsdp(env, precision: str = "fp32") -> dict:
 
 def _one_step_figures(env, mode: str) -> dict:
     """What one step sends, between which ranks, and what a rank holds after it."""
-    from trainer import comm, memory
+    from trainer import comm
+    from trainer.observe import memory
 
     engine = _engine(mode, env.rank, shard_group_size=S)
     psi = memory.count_params(make_model("gpt", seed=0))
@@ -175,9 +176,9 @@ def _groups_and_checkpointing(env, mode: str, **options) -> dict:
     buffers) and activation checkpointing (units rerun in backward): a few steps."""
     from reference import SEQ, VOCAB
 
-    from trainer.models import GPT
-    from trainer.optim import no_decay_bias_norm
+    from trainer.models.builtin import GPT
     from trainer.parallel import build_engine
+    from trainer.run.optim import no_decay_bias_norm
 
     torch.manual_seed(env.rank)
     model = GPT(VOCAB, SEQ, n_layer=3, n_head=3, n_embd=15, activation_checkpointing=True)

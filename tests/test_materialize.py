@@ -1,4 +1,4 @@
-"""trainer/materialize.py: models built on the meta device, given values module by module."""
+"""trainer/models/materialize.py: models built on the meta device, given values module by module."""
 
 import math
 
@@ -8,9 +8,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from trainer.errors import ConfigError
-from trainer.lm import CausalLM
-from trainer.materialize import Request, SeededInit, empty_weights, has_meta, materialize
-from trainer.models import GPT, MLP, SmallCNN
+from trainer.models.builtin import GPT, MLP, SmallCNN
+from trainer.models.lm import CausalLM
+from trainer.models.materialize import Request, SeededInit, empty_weights, has_meta, materialize
 
 LLAMA = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

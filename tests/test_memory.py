@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_harness import run_distributed
 
-from trainer.memory import MiB, bandwidth, expected, expected_traffic, measure, report
+from trainer.observe.memory import MiB, bandwidth, expected, expected_traffic, measure, report
 
 # Tiny MLP(in_dim=3, hidden=5, depth=2, num_classes=3), Ψ = 68:
 #   layers.0  Linear(3, 5)  15 + 5 = 20
@@ -96,8 +96,8 @@ MEDIUM_OPTIONS = {"ddp": {}, "zero": {}, "fsdp": {"min_unit_params": 50_000}}
 def _one_step(env, mode: str, sizes: dict, options: dict, precision: str = "fp32"):
     from functools import partial
 
-    from trainer.memory import MemoryMonitor, count_params
-    from trainer.models import MLP
+    from trainer.models.builtin import MLP
+    from trainer.observe.memory import MemoryMonitor, count_params
     from trainer.parallel import build_engine
 
     torch.manual_seed(0)
@@ -135,7 +135,7 @@ def _account(env, modes: list[str]):
 def _logged(env):
     """What the training loop's interval reduce hands to TensorBoard, on rank 0."""
     from trainer import comm
-    from trainer.metrics import IntervalMetrics
+    from trainer.observe.metrics import IntervalMetrics
 
     comm.stats.reset()
     engine, monitor = _one_step(env, "ddp", TINY, {})  # one step: one AllReduce counted
@@ -241,7 +241,7 @@ def test_one_gather_brings_every_rank_to_rank0(accounted):
 
 
 def _gather_distinct(env):
-    from trainer.memory import FIELDS, gather_to_rank0
+    from trainer.observe.memory import FIELDS, gather_to_rank0
 
     return gather_to_rank0(
         {f: 1000 * env.rank + i for i, f in enumerate(FIELDS)}, torch.device("cpu")
@@ -249,7 +249,7 @@ def _gather_distinct(env):
 
 
 def test_gather_keeps_each_ranks_values_apart():
-    from trainer.memory import FIELDS
+    from trainer.observe.memory import FIELDS
 
     rows = run_distributed(_gather_distinct, 2)
     assert rows[1] is None
@@ -388,7 +388,7 @@ def _cuda_step(fake: _FakeAllocator, model, optimizer, transient: int) -> None:
 
 
 def test_cuda_peak_is_reset_at_the_sampled_step_and_read_at_its_end(fake_cuda):
-    from trainer.memory import CudaStepPeak
+    from trainer.observe.memory import CudaStepPeak
 
     fake = fake_cuda
     fake.alloc(1000)  # engine construction: a broadcast buffer, the unsharded model
@@ -420,7 +420,7 @@ def test_cuda_peak_is_reset_at_the_sampled_step_and_read_at_its_end(fake_cuda):
 
 
 def test_monitor_reports_the_cuda_step_peak(fake_cuda):
-    from trainer.memory import CudaStepPeak, MemoryMonitor
+    from trainer.observe.memory import CudaStepPeak, MemoryMonitor
 
     class OnCuda(torch.nn.Linear):  # parameters that say they live on a GPU
         def parameters(self, recurse: bool = True):

@@ -27,7 +27,7 @@ class Frozen(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from trainer.models import GPT
+        from trainer.models.builtin import GPT
 
         self.gpt = GPT(
             vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16, tie_weights=True
@@ -54,7 +54,7 @@ def _engine(model, mode: str, source=None, **options):
 def _initial_states(env) -> dict:
     """full_state_dict() right after a meta build with SeededInit, per mode; and one step
     of the meta-built engine next to an eager engine given the same initial values."""
-    from trainer.materialize import SeededInit, empty_weights
+    from trainer.models.materialize import SeededInit, empty_weights
 
     out = {}
     cases = [("ddp", {}), ("zero", {}), ("fsdp", {}), ("fsdp_bf16", {"precision": "bf16"})]
@@ -120,9 +120,9 @@ def _llama_logits(env, directory: str) -> dict:
     in each mode; and one built entirely under torch.device("meta") from SeededInit."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.lm import CausalLM
-    from trainer.materialize import SeededInit, empty_weights
-    from trainer.weights import Pretrained
+    from trainer.models.lm import CausalLM
+    from trainer.models.materialize import SeededInit, empty_weights
+    from trainer.models.weights import Pretrained
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     ids = torch.arange(12).reshape(2, 6) % LLAMA["vocab_size"]
@@ -169,7 +169,7 @@ def test_llama_loaded_slice_by_slice_equals_from_pretrained(tmp_path, layout):
 
 
 def _refusals(env) -> list[str]:
-    from trainer.materialize import SeededInit, empty_weights
+    from trainer.models.materialize import SeededInit, empty_weights
     from trainer.parallel import build_engine
 
     messages = []
@@ -200,10 +200,10 @@ def test_a_meta_model_without_a_source_is_refused_in_one_line():
 
 def _build_peak(env, meta: bool) -> dict:
     """Growth of this process's C heap while the model is built and the fsdp engine made
-    ([Note: the CPU step peak] in trainer/heap.py): live tensors, measured."""
-    from trainer import heap
-    from trainer.materialize import SeededInit, empty_weights
-    from trainer.models import GPT
+    ([Note: the CPU step peak] in trainer/observe/heap.py): live tensors, measured."""
+    from trainer.models.builtin import GPT
+    from trainer.models.materialize import SeededInit, empty_weights
+    from trainer.observe import heap
 
     sizes = dict(vocab_size=256, block_size=16, n_layer=16, n_head=4, n_embd=128)
     with heap.HeapPeak() as peak:
@@ -223,7 +223,7 @@ def _build_peak(env, meta: bool) -> dict:
 
 @pytest.mark.slow
 def test_fsdp_built_on_meta_allocates_its_slices_not_the_model():
-    from trainer import heap
+    from trainer.observe import heap
 
     if not heap.available():
         pytest.skip("the C heap size needs glibc's mallinfo2()")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trainer import comm
-from trainer.metrics import FIELDS, IntervalMetrics
+from trainer.observe.metrics import FIELDS, IntervalMetrics
 
 
 class _DoneHandle:
@@ -95,7 +95,7 @@ def _step(m: IntervalMetrics, taken: bool = True) -> None:
 
 
 def test_step_time_is_the_interval_wall_time_over_its_steps(fake_reduce, monkeypatch):
-    from trainer import host
+    from trainer.observe import host
 
     monkeypatch.setattr(comm, "rank", lambda group=None: 0)
     line = _Timeline([100.0, 106.0, 200.0, 201.0, 251.0, 252.0, 300.0, 304.0])
@@ -142,7 +142,7 @@ def test_step_time_is_the_interval_wall_time_over_its_steps(fake_reduce, monkeyp
 
 
 def test_host_synchronize_waits_for_a_cuda_device_only(monkeypatch):
-    from trainer import host
+    from trainer.observe import host
 
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
@@ -157,7 +157,7 @@ def test_host_synchronize_waits_for_a_cuda_device_only(monkeypatch):
 def test_writer_lays_out_only_the_charts_a_run_logs(tmp_path):
     from tb_events import layout
 
-    from trainer.metrics import Rank0Writer
+    from trainer.observe.metrics import Rank0Writer
 
     w = Rank0Writer(tmp_path, enabled=True)
     w.scalars({"train/loss": 1.0, "train/accuracy": 0.5, "memory/params_MiB/max": 2.0}, 10)
@@ -183,6 +183,7 @@ def test_writer_lays_out_only_the_charts_a_run_logs(tmp_path):
     [
         ("NVIDIA H100 80GB HBM3", "H100"),
         ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
         ("NVIDIA H200", "H200"),
         ("NVIDIA A100-SXM4-80GB", "A100"),
         ("NVIDIA A100 80GB PCIe", "A100"),
@@ -198,7 +199,7 @@ def test_writer_lays_out_only_the_charts_a_run_logs(tmp_path):
     ],
 )
 def test_peak_flops_names_the_whole_model(name, key, monkeypatch):
-    from trainer.metrics import PEAK_FLOPS, device_key, peak_flops
+    from trainer.observe.metrics import PEAK_FLOPS, device_key, peak_flops
 
     assert device_key(name) == key
     # peak_flops reads the name from torch.cuda, here a stand-in
@@ -208,7 +209,7 @@ def test_peak_flops_names_the_whole_model(name, key, monkeypatch):
 
 
 def test_peak_flops_of_an_l40s_is_not_an_l4s():
-    from trainer.metrics import PEAK_FLOPS, device_key
+    from trainer.observe.metrics import PEAK_FLOPS, device_key
 
     # an L4's peak for an L40S would put its MFU about 3x too high
     assert PEAK_FLOPS[device_key("NVIDIA L40S")][torch.bfloat16] == 362e12

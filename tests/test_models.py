@@ -9,10 +9,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from trainer.build import model_sizes
-from trainer.data import make_loader, synthetic_classification, synthetic_tokens
+from trainer.data.datasets import make_loader, synthetic_classification, synthetic_tokens
 from trainer.errors import ConfigError
-from trainer.models import GPT, MLP, Block, SmallCNN, accuracy, loss_fn, resnet18
+from trainer.models.build import model_sizes
+from trainer.models.builtin import GPT, MLP, Block, SmallCNN, accuracy, loss_fn, resnet18
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

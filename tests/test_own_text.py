@@ -34,8 +34,10 @@ TRAIN = ["train.log_every=2", "train.eval_every=4", "train.eval_batches=2", "opt
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("text")
-    (root / "code.txt").write_text(TEXT)
-    prepare([root / "code.txt"], root / "char", "char", 0.1)
+    half = TEXT.index("def f150")  # two documents: a separator between them
+    (root / "code_a.txt").write_text(TEXT[:half])
+    (root / "code_b.txt").write_text(TEXT[half:])
+    prepare([root / "code_a.txt", root / "code_b.txt"], root / "char", "char", 0.1)
     return root / "char"
 
 
@@ -55,6 +57,8 @@ def test_gpt_on_own_text_resumes_bitwise_samples_and_exports(tmp_path, text_dir)
     b = torch.load(halves / "final_model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the data position resumed exactly
 
+    meta = json.loads((whole / "model" / "meta.json").read_text())  # the data's, kept
+    assert meta["separator"] == "\n" and meta["separator_ids"] == [0]
     final = json.loads((whole / "final_metrics.json").read_text())
     assert final["eval/perplexity"] == pytest.approx(np.exp(final["eval/loss"]))
     values = scalars(whole)
@@ -71,7 +75,7 @@ def test_gpt_on_own_text_resumes_bitwise_samples_and_exports(tmp_path, text_dir)
     assert one == two and one.startswith("def ") and len(one) == 44
     assert sample(whole, "def ", 40, seed=2) != one
 
-    from trainer.lm import load_exported
+    from trainer.models.lm import load_exported
 
     export(whole, tmp_path / "exported")
     model = load_exported(tmp_path / "exported")
@@ -98,11 +102,11 @@ def _hf_dirs(root: Path) -> dict[str, Path]:
 
 
 def _hf_every_mode(env, dirs: dict[str, Path], text_dir: Path) -> dict:
-    from trainer.data import make_loader
-    from trainer.lm import hf_causal_lm
-    from trainer.models import loss_fn
+    from trainer.data.datasets import make_loader
+    from trainer.data.tokens import TokenData
+    from trainer.models.builtin import loss_fn
+    from trainer.models.lm import hf_causal_lm
     from trainer.parallel import build_engine
-    from trainer.tokens import TokenData
 
     data = TokenData(dir=str(text_dir), block_size=16)
     out = {}
@@ -122,10 +126,10 @@ def _hf_every_mode(env, dirs: dict[str, Path], text_dir: Path) -> dict:
 
 
 def test_hf_dirs_train_in_every_mode_as_one_process(tmp_path, text_dir):
-    from trainer.data import make_loader
-    from trainer.lm import hf_causal_lm
-    from trainer.models import loss_fn
-    from trainer.tokens import TokenData
+    from trainer.data.datasets import make_loader
+    from trainer.data.tokens import TokenData
+    from trainer.models.builtin import loss_fn
+    from trainer.models.lm import hf_causal_lm
 
     dirs = _hf_dirs(tmp_path)
     from safetensors.torch import load_file
@@ -155,7 +159,7 @@ def test_hf_dirs_train_in_every_mode_as_one_process(tmp_path, text_dir):
 def test_hf_run_exports_a_directory_from_pretrained_loads(tmp_path, text_dir):
     from transformers import AutoModelForCausalLM
 
-    from trainer.lm import hf_causal_lm
+    from trainer.models.lm import hf_causal_lm
 
     dirs = _hf_dirs(tmp_path)
     args = ["model=hf", f"model.path={dirs['llama']}", "data=token_file", f"data.dir={text_dir}"]
@@ -215,7 +219,7 @@ def test_bad_input_on_own_text_is_one_line(tmp_path, text_dir, args, needle):
 
 
 def test_bad_model_dirs_and_runs(tmp_path):
-    from trainer.lm import hf_causal_lm, run_model
+    from trainer.models.lm import hf_causal_lm, run_model
 
     (tmp_path / "no_config").mkdir()
     with pytest.raises(ConfigError, match="no_config has no config.json"):

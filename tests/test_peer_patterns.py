@@ -1,10 +1,12 @@
 """Peer patterns from PyTorch's own DDP and FSDP2 suites (issue 15, "never silently wrong").
 
 Every case trains a small model for a few steps through `build_engine` in every mode, at
-2 and 4 ranks, each rank on its slice of the global batch, and compares the final
-parameters (and buffers) with
+2 and 4 ranks (the call shapes from FSDP2's suite at 3 too), each rank on its slice of the
+global batch, and compares the final parameters (and buffers) with
   (a) one process training the same model on the whole global batch, and
-  (b) torch's own DistributedDataParallel on the same per-rank slices.
+  (b) torch's own DistributedDataParallel on the same per-rank slices, and, for the
+      shapes from FSDP2's suite, torch's FSDP2 (`fully_shard`) in the same reshard
+      setting.
 Models are built from the same seed on every rank; losses are means over a rank's slice,
 so averaging gradients over ranks is one big batch's gradient.
 
@@ -62,6 +64,8 @@ MODES: dict[str, dict[str, Any]] = {
     "fsdp_keep": {**FSDP_UNITS, "reshard_after_forward": False},
 }
 TORCH_DDP = "torch_ddp"
+# torch's FSDP2, both reshard settings: the reference for the cases from its own suite
+TORCH_FSDP2 = {"torch_fsdp2": True, "torch_fsdp2_keep": False}  # reshard_after_forward
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
@@ -94,6 +98,11 @@ class _Runner:
     def no_sync(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def part(self, name: str) -> Callable[..., Any]:
+        """The submodule `name` of the model, to call on its own (a forward that does not
+        start at the root)."""
+        raise NotImplementedError
+
 
 class _EngineRunner(_Runner):
     def __init__(self, engine, rank: int, plain: bool):
@@ -111,6 +120,9 @@ class _EngineRunner(_Runner):
     def no_sync(self):
         return self.engine.no_sync()
 
+    def part(self, name):
+        return self.engine.module.get_submodule(name)
+
 
 class _TorchDDPRunner(_Runner):
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, rank: int):
@@ -121,6 +133,27 @@ class _TorchDDPRunner(_Runner):
 
     def no_sync(self):
         return self.ddp.no_sync()
+
+
+class _TorchFSDP2Runner(_Runner):
+    """torch's FSDP2 (`fully_shard`) on a model whose units are already sharded."""
+
+    def __init__(self, model: nn.Module, rank: int):
+        self.model, self.rank = model, rank
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def part(self, name):
+        return self.model.get_submodule(name)
 
 
 class _SingleRunner(_Runner):
@@ -134,6 +167,9 @@ class _SingleRunner(_Runner):
 
     def backward(self, loss):
         (loss * self.scale).backward()
+
+    def part(self, name):
+        return self.model.get_submodule(name)
 
 
 Step = Callable[[_Runner, torch.Tensor, torch.Tensor, int], None]
@@ -170,6 +206,9 @@ class Case:
     batches: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]] = _float_batches
     eval_input: bool = False  # after training: eval() and a no_grad forward on every rank
     untouched: tuple[str, ...] = ()  # state keys no rank ever uses: bitwise initial values
+    worlds: tuple[int, ...] = WORLDS  # the cases from FSDP2's suite run at 3 ranks too
+    # The submodules torch FSDP2 shards on their own before the root; None: no FSDP2 run
+    fsdp2: Callable[[nn.Module], list[nn.Module]] | None = None
 
 
 def _build(case: Case) -> nn.Module:
@@ -416,6 +455,99 @@ def _two_forwards_one_backward(run, x, y, i):
     run.backward((any_loss(run(x1), y1) + any_loss(run(x2), y2)) / 2)
 
 
+# -- Call shapes from FSDP2's own suite, every rank alike (test_fully_shard_frozen.py,
+# test_fully_shard_training.py)
+
+
+class MultiForward(nn.Module):
+    """FSDP2's test_multi_forward_mixed_requires_grad: a unit called several times in one
+    forward, with grad and under no_grad in turn, around a frozen unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer_0 = nn.Linear(IN, 9)
+        self.layer_no_grad = nn.Linear(9, 9)
+        self.layer_with_grad = nn.Linear(9, 9)
+        self.head = nn.Linear(9, OUT)
+        self.layer_no_grad.requires_grad_(False)
+
+    def forward(self, x):
+        x = self.layer_0(x)
+        for _ in range(3):
+            x = self.layer_no_grad(torch.relu(self.layer_with_grad(x)))
+            with torch.no_grad():
+                x += torch.relu(self.layer_with_grad(x))
+        return self.head(x)
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, 9)
+        self.fc2 = nn.Linear(9, IN)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def _residual_stack() -> nn.Module:
+    return nn.Sequential(Residual(), Residual(), Residual(), nn.Linear(IN, OUT))
+
+
+def _non_root_on_odd_steps(run, x, y, i):
+    """FSDP2's test_non_root_forward_backward: after an ordinary step, a forward and
+    backward through the first block alone (`model[0](x)`); the rest get no gradient."""
+    if i % 2 == 0:
+        run.backward(any_loss(run(x), y))
+    else:
+        run.backward(run.part("0")(x).pow(2).mean())
+
+
+def _root_then_non_root(run, x, y, i):
+    """An ordinary forward and backward, then a forward and backward of a non-root block
+    alone, in the same step: the gradients sum."""
+    run.backward(any_loss(run(x), y))
+    run.backward(run.part("1")(x).pow(2).mean())
+
+
+def _frozen_every_other() -> nn.Module:
+    """FSDP2's test_train_mixed_requires_grad_across_groups: frozen and trainable linears
+    in turn (tanh, not relu: a pre-activation that rounding moves across relu's kink would
+    change a gradient by more than rounding)."""
+    layers: list[nn.Module] = []
+    for i in range(6):
+        layers += [nn.Linear(IN, IN), nn.Tanh()]
+        if i % 2 == 0:
+            layers[-2].requires_grad_(False)
+    return nn.Sequential(*layers, nn.Linear(IN, OUT))
+
+
+def _no_grad_forward_on_step_1(run, x, y, i):
+    """Step 1 is an evaluation under no_grad, with no backward: the step changes nothing."""
+    if i == 1:
+        with torch.no_grad():
+            run(x)
+        return
+    run.backward(any_loss(run(x), y))
+
+
+def _biases_only() -> nn.Module:
+    """FSDP2's test_train_mixed_requires_grad_per_group: frozen and trainable parameters
+    in one unit (only the biases train, as BitFit)."""
+    m = _residual_stack()
+    for n, p in m.named_parameters():
+        p.requires_grad_("bias" in n)
+    return m
+
+
+def _linears(m: nn.Module) -> list[nn.Module]:
+    return [c for c in m.modules() if isinstance(c, nn.Linear)]
+
+
+def _blocks(m: nn.Module) -> list[nn.Module]:
+    return list(m.children())
+
+
 FIND_UNUSED = {"find_unused_parameters": True}
 
 CASES = [
@@ -479,6 +611,37 @@ CASES = [
     Case("nested_units", "6", Nested),
     Case("activation_checkpointing", "6", Checkpointed),
     Case("two_forwards_one_backward", "6", OddMLP, _two_forwards_one_backward),
+    # 7. call shapes from FSDP2's suite, every rank alike; FSDP2 is a reference too
+    Case("multi_forward_mixed_grad", "7", MultiForward, fsdp2=_linears, worlds=(2, 3, 4)),
+    Case(
+        "non_root_forward_backward",
+        "7",
+        _residual_stack,
+        _non_root_on_odd_steps,
+        # torch DDP cannot: a forward of `ddp.module[0]` bypasses its reducer
+        ddp=None,
+        fsdp2=_blocks,
+        worlds=(2, 3, 4),
+    ),
+    Case(
+        "root_then_non_root",
+        "7",
+        _residual_stack,
+        _root_then_non_root,
+        ddp=None,
+        fsdp2=_blocks,
+        worlds=(2, 3, 4),
+    ),
+    Case(
+        "frozen_every_other_no_grad_step",
+        "7",
+        _frozen_every_other,
+        _no_grad_forward_on_step_1,
+        ddp=FIND_UNUSED,
+        fsdp2=_linears,
+        worlds=(2, 3, 4),
+    ),
+    Case("biases_only", "7", _biases_only, ddp=FIND_UNUSED, fsdp2=_blocks, worlds=(2, 3, 4)),
 ]
 # 4. parameters used on some ranks only: its own process groups (see the docstring)
 RANK_DEPENDENT = Case(
@@ -547,6 +710,32 @@ def _train_torch_ddp(env, case: Case) -> dict[str, Any]:
             out["eval"] = ddp(_eval_batch())
     out["state"] = _state(ddp.module)
     return out
+
+
+def _train_torch_fsdp2(env, case: Case, reshard_after_forward: bool) -> dict[str, Any]:
+    """torch FSDP2: `fully_shard` on `case.fsdp2`'s submodules, then on the root, as its
+    own tests do; every rank builds the same model (FSDP2 does not broadcast)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = _build(case)
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    for m in case.fsdp2(model):
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    opt = _optimizer(case, list(model.named_parameters()))
+    run = _TorchFSDP2Runner(model, env.rank)
+    for i, (x, y) in enumerate(case.batches()):
+        xr, yr = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
+        case.step(run, xr, yr, i)
+        opt.step()
+        opt.zero_grad()
+    state = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
+    return {"state": state}
 
 
 def _describe(e: BaseException) -> str:
@@ -626,6 +815,8 @@ def _run_cases(env, plan: list[tuple[str, list[str]]], folder: str) -> dict:
             _save(results, folder, env.rank)
             if mode == TORCH_DDP and case.ddp is None:
                 continue
+            if mode in TORCH_FSDP2 and case.fsdp2 is None:
+                continue
             if broken:
                 results[name, mode] = {"not_run": broken}
                 continue
@@ -634,6 +825,8 @@ def _run_cases(env, plan: list[tuple[str, list[str]]], folder: str) -> dict:
             try:
                 if mode == TORCH_DDP:
                     out = _train_torch_ddp(env, case)
+                elif mode in TORCH_FSDP2:
+                    out = _train_torch_fsdp2(env, case, TORCH_FSDP2[mode])
                 else:
                     out = _train_engine(env, case, mode, made)
                 outcome, error = "ok", ""
@@ -653,7 +846,7 @@ def _run_cases(env, plan: list[tuple[str, list[str]]], folder: str) -> dict:
                 if not _group_healthy(store, f"{name}/{mode}/healthy", env):
                     broken = f"the process group was out of step after {name}/{mode}"
                 continue
-            if mode != TORCH_DDP:
+            if mode != TORCH_DDP and mode not in TORCH_FSDP2:
                 engine, out = out["engine"], {}
                 if case.eval_input:  # first, as for torch DDP: buffers may follow rank 0
                     engine.eval()
@@ -748,9 +941,10 @@ def _results(world: int) -> list[dict]:
     case comes last, fsdp last of all: if its ranks issue different collectives, the short
     timeout ends them (or Gloo aborts a process) and the group is not trusted after it.
     Cases left unrun by a broken group run again in a fresh one."""
-    modes = [*MODES, TORCH_DDP]
-    plan = [(c.name, modes) for c in CASES]
-    plan.append((RANK_DEPENDENT.name, [TORCH_DDP, "ddp", "zero", "fsdp", "fsdp_keep"]))
+    modes = [*MODES, TORCH_DDP, *TORCH_FSDP2]
+    plan = [(c.name, modes) for c in CASES if world in c.worlds]
+    if world in RANK_DEPENDENT.worlds:
+        plan.append((RANK_DEPENDENT.name, [TORCH_DDP, "ddp", "zero", "fsdp", "fsdp_keep"]))
     results = _launch(world, plan)
     for _ in range(2):
         left = [(n, [m for m in ms if _unrun(results, n, m)]) for n, ms in plan]
@@ -821,8 +1015,15 @@ def _torch_ddp(results: list[dict], name: str) -> list[dict]:
     return [_ok(r[name, TORCH_DDP], "the torch DDP reference failed: ") for r in results]
 
 
-def _check_trained(case: Case, by_rank: list[dict[str, Any]], world: int, ddp: list | None):
-    """Every rank's result against the one-process run and torch DDP (when given)."""
+def _check_trained(
+    case: Case,
+    by_rank: list[dict[str, Any]],
+    world: int,
+    ddp: list | None,
+    fsdp2: list | None = None,
+):
+    """Every rank's result against the one-process run, torch DDP and torch FSDP2 (when
+    given)."""
     want = _single(case.name, world)
     init = _initial(case.name)
     for r, got in enumerate(by_rank):
@@ -831,6 +1032,8 @@ def _check_trained(case: Case, by_rank: list[dict[str, Any]], world: int, ddp: l
             assert_state_close(got["state"], want["state"])
             if ddp is not None:
                 assert_state_close(got["state"], ddp[r]["state"])
+            if fsdp2 is not None:
+                assert_state_close(got["state"], fsdp2[r]["state"])
         except AssertionError as e:
             raise AssertionError(f"rank {r}: {e}") from None
         for k in case.untouched:  # never used by any rank: no gradient, no step at all
@@ -847,14 +1050,22 @@ def _check_trained(case: Case, by_rank: list[dict[str, Any]], world: int, ddp: l
 # Tests
 
 
-@pytest.mark.parametrize("name", [c.name for c in CASES])
+def _fsdp2(results: list[dict], name: str, mode: str) -> list[dict]:
+    """torch FSDP2's results: with units kept gathered for fsdp_keep, freed otherwise."""
+    which = "torch_fsdp2_keep" if mode == "fsdp_keep" else "torch_fsdp2"
+    return [_ok(r[name, which], "the torch FSDP2 reference failed: ") for r in results]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(
+    ("world", "name"), [(w, c.name) for w in (2, 3, 4) for c in CASES if w in c.worlds]
+)
 def test_pattern(world, mode, name):
     case = BY_NAME[name]
     results = _results(world)
     ddp = _torch_ddp(results, name) if case.ddp is not None else None
-    _check_trained(case, [r[name, mode] for r in results], world, ddp)
+    fsdp2 = _fsdp2(results, name, mode) if case.fsdp2 is not None else None
+    _check_trained(case, [r[name, mode] for r in results], world, ddp, fsdp2)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -896,3 +1107,14 @@ def test_rank_dependent_unit(world, mode):
 def test_references_agree(world, name):
     """The yardsticks themselves: torch DDP and one process train alike."""
     _check_trained(BY_NAME[name], _torch_ddp(_results(world), name), world, None)
+
+
+@pytest.mark.parametrize("which", list(TORCH_FSDP2))
+@pytest.mark.parametrize(
+    ("world", "name"), [(w, c.name) for w in (2, 3, 4) for c in CASES if c.fsdp2 and w in c.worlds]
+)
+def test_fsdp2_reference_agrees(world, name, which):
+    """torch FSDP2 trains the shapes from its own suite as one process does."""
+    results = _results(world)
+    got = [_ok(r[name, which], "the torch FSDP2 reference failed: ") for r in results]
+    _check_trained(BY_NAME[name], got, world, None)

@@ -21,8 +21,8 @@ from reference import OPTIMIZERS, any_loss, batches, make_model, rank_slice
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.precision import Precision
-from trainer.scaling import LossScaler
+from trainer.parallel.precision import Precision
+from trainer.parallel.scaling import LossScaler
 
 MODES = ("ddp", "zero", "fsdp")
 STEPS, BATCH = 4, 12

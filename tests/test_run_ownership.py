@@ -155,8 +155,14 @@ def test_command_line_values_win_on_resume(tmp_path):
     "change, refused",
     [
         ("seed=7", "seed=7 differs from checkpoint ckpt's seed=0: the data order"),
-        ("data.dataset.seed=3", "data.dataset={'_target_': 'trainer.data.synthetic_classif"),
-        ("data.dataset.n=100", "data.dataset={'_target_': 'trainer.data.synthetic_classif"),
+        (
+            "data.dataset.seed=3",
+            "data.dataset={'_target_': 'trainer.data.datasets.synthetic_classif",
+        ),
+        (
+            "data.dataset.n=100",
+            "data.dataset={'_target_': 'trainer.data.datasets.synthetic_classif",
+        ),
         ("train.batch_size=64", "train.batch_size=64 differs from checkpoint ckpt's train."),
         ("train.grad_accum_steps=2", None),  # the same samples per step
         ("optim.lr=0.1", None),
@@ -167,8 +173,8 @@ def test_what_a_resume_may_change(change, refused):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from trainer import schema  # noqa: F401  (registers the types conf/ names)
     from trainer.checkpoint.resume import NotResumable, refuse_changes
+    from trainer.config import schema  # noqa: F401  (registers the types conf/ names)
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         meta = {"config": OmegaConf.to_yaml(compose("config"))}  # as the checkpoint saved it

@@ -1,4 +1,4 @@
-"""Token files (trainer/tokens.py), scripts/prepare_text.py and the bad input around them.
+"""Token files (trainer/data/tokens.py), scripts/prepare_text.py and the bad input around them.
 No processes: every file is written here, read back and compared exactly."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import make_loader
+from trainer.data.datasets import make_loader
+from trainer.data.text import Bytes, Chars, codec_from_meta, hf_tokenizer
+from trainer.data.tokens import LLMC_HEADER, TokenData, WindowSampler, open_tokens, read_meta
 from trainer.errors import ConfigError
-from trainer.text import Bytes, Chars, codec_from_meta, hf_tokenizer
-from trainer.tokens import LLMC_HEADER, TokenData, WindowSampler, open_tokens, read_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -122,7 +122,9 @@ def test_prepare_bytes_hf_and_uint32(tmp_path):
     meta = prepare([tmp_path / "wide.txt"], tmp_path / "wide", "char", 0.0)
     assert meta["dtype"] == "uint32"
     ids = np.fromfile(tmp_path / "wide" / "train.bin", np.uint32)
-    assert ids.max() == 69999 and Chars(meta["chars"]).decode(ids.tolist()) == wide
+    # id 0 is the separator "\n": in the vocabulary though one file needs none
+    assert meta["chars"][0] == "\n" and ids.min() == 1 and ids.max() == 70000
+    assert Chars(meta["chars"]).decode(ids.tolist()) == wide
     assert Bytes().decode(Bytes().encode("é").tolist()) == "é"
 
 
@@ -228,3 +230,171 @@ def test_bad_tokenizers_and_text(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: text file {tmp_path / 'missing.txt'} does not exist"
     ]
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("{bad", "is not JSON (Expecting property name enclosed in double quotes at line 1"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+        ('{"vocab_size": "65"}', "vocab_size '65' must be a whole number >= 1"),
+        ('{"vocab_size": true}', "vocab_size True must be a whole number >= 1"),
+        ('{"vocab_size": 0}', "vocab_size 0 must be a whole number >= 1"),
+        ('{"dtype": "int8"}', "dtype 'int8' is not one of uint16, uint32"),
+        ('{"vocab_size": 70000}', "vocab_size 70000 does not fit dtype uint16"),
+        ('{"tokenizer": "gpt2"}', "tokenizer 'gpt2' is not one of char, bytes, hf"),
+        ('{"tokenizer": "char"}', 'tokenizer "char" needs "chars"'),
+        ('{"tokenizer": "char", "chars": "ba"}', "chars must be distinct characters in sorted"),
+        ('{"tokenizer": "char", "chars": "aa"}', "chars must be distinct characters in sorted"),
+    ],
+    ids=lambda v: str(v)[:24],
+)
+def test_meta_json_is_checked_field_by_field(tmp_path, content, needle):
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "meta.json").write_text(content)
+    with pytest.raises(ConfigError) as e:
+        TokenData(dir=str(tmp_path), block_size=4)
+    assert str(e.value).startswith(f"{tmp_path / 'meta.json'}")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_meta_json_without_fields_and_meta_pkl_that_is_not_one(tmp_path):
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "meta.json").write_text("{}")  # nothing known: the defaults
+    assert TokenData(dir=str(tmp_path), block_size=4).data_vocab_size() == 10
+    # a vocabulary padded past the characters (as nanoGPT pads GPT-2's to 50304): the ids
+    # past them decode as U+FFFD
+    padded = {"tokenizer": "char", "chars": "".join(map(chr, range(65, 75))), "vocab_size": 64}
+    (tmp_path / "meta.json").write_text(json.dumps(padded))
+    assert TokenData(dir=str(tmp_path), block_size=4).data_vocab_size() == 64
+    assert codec_from_meta(read_meta(tmp_path), tmp_path).decode([0, 9, 63]) == "AJ\ufffd"
+    (tmp_path / "meta.json").unlink()
+    (tmp_path / "meta.pkl").write_bytes(b"")  # EOFError from pickle
+    with pytest.raises(ConfigError, match="meta.pkl is not a readable pickle"):
+        TokenData(dir=str(tmp_path), block_size=4)
+
+
+def _prepare_cli(*args: str) -> subprocess.CompletedProcess:
+    script = [sys.executable, str(ROOT / "scripts" / "prepare_text.py")]
+    return subprocess.run([*script, *map(str, args)], capture_output=True, text=True)
+
+
+def test_prepare_text_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    (tmp_path / "latin.txt").write_bytes("line one\ncafé naïve\n".encode("latin-1"))
+    (tmp_path / "bom16.txt").write_text("hello\n", encoding="utf-16")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    (tmp_path / "no_model").mkdir()
+    (tmp_path / "no_model" / "tokenizer.json").write_text('{"version": "1.0"}')
+    cases = [
+        (["latin.txt"], f"{tmp_path / 'latin.txt'} is not utf-8: byte 12 (line 2) is 0xe9 "
+         "(invalid continuation byte); give its encoding (--encoding latin-1"),
+        (["bom16.txt"], "byte 0 (line 1) is 0xff (invalid start byte); give its encoding "
+         "(--encoding utf-16: the file starts with a UTF-16 byte order mark)"),
+        (["latin.txt", "--tokenizer", "bytes"], "latin.txt is not utf-8: byte 12 (line 2)"),
+        (["a.txt", "--tokenizer", tmp_path / "broken"], f"{tmp_path / 'broken' / 'tokenizer.json'}"
+         " is not a tokenizer the tokenizers library can read (EOF while parsing"),
+        (["a.txt", "--tokenizer", tmp_path / "no_model"], "is not a tokenizer the tokenizers "
+         "library can read (Model missing."),
+        (["a.txt", "--tokenizer", tmp_path / "no_model" / "tokenizer.json"], "is a file; give "
+         "the directory that holds its tokenizer.json"),
+        (["empty.txt"], f"the text files ({tmp_path / 'empty.txt'}) are empty"),
+        ([tmp_path], f"text file {tmp_path} is a directory; give the files in it"),
+        (["a.txt", "--encoding", "utf-9"], "--encoding utf-9 is not an encoding Python knows"),
+        (["a.txt", "--separator", "\\x"], "--separator '\\\\x' has a bad escape"),
+    ]  # fmt: skip
+    for args, needle in cases:
+        files = [tmp_path / a if isinstance(a, str) and a.endswith(".txt") else a for a in args]
+        proc = _prepare_cli(*files, "--out", tmp_path / "out")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        [line] = proc.stderr.splitlines()  # no traceback, no progress bar
+        assert line.startswith("error: ") and needle in line, line
+        assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    (tmp_path / "file").write_text("keep me")
+    proc = _prepare_cli(tmp_path / "a.txt", "--out", tmp_path / "file")
+    assert proc.stderr.splitlines() == [f"error: --out {tmp_path / 'file'} is a file; give a "
+                                        "directory to write the tokens into"]  # fmt: skip
+
+
+def test_prepare_text_encoding_and_counted_replacement(tmp_path):
+    text = "line one\ncafé naïve\n" * 3
+    (tmp_path / "latin.txt").write_bytes(text.encode("latin-1"))
+    proc = _prepare_cli(tmp_path / "latin.txt", "--out", tmp_path / "lat", "--encoding", "latin-1")
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((tmp_path / "lat" / "meta.json").read_text())
+    assert meta["encoding"] == "latin-1" and meta["replaced_bytes"] == 0 and "é" in meta["chars"]
+    ids = [np.fromfile(tmp_path / "lat" / f, np.uint16) for f in ("train.bin", "val.bin")]
+    assert Chars(meta["chars"]).decode(np.concatenate(ids).tolist()) == text
+
+    proc = _prepare_cli(tmp_path / "latin.txt", "--out", tmp_path / "rep", "--errors", "replace")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(", 6 undecodable bytes replaced"), proc.stdout
+    meta = json.loads((tmp_path / "rep" / "meta.json").read_text())
+    assert meta["replaced_bytes"] == 6  # é and ï, three times: one byte each in latin-1
+    ids = [np.fromfile(tmp_path / "rep" / f, np.uint16) for f in ("train.bin", "val.bin")]
+    got = Chars(meta["chars"]).decode(np.concatenate(ids).tolist())
+    assert got == text.replace("é", "\ufffd").replace("ï", "\ufffd")
+
+
+def _hf_tokenizer_dir(path: Path, text_file: Path, eos: bool) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>"] if eos else []
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=special
+    )
+    tok.train([str(text_file)], trainer)
+    kwargs = {"eos_token": "<|endoftext|>"} if eos else {}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs).save_pretrained(path)
+
+
+def test_separator_between_files(tmp_path):
+    one, two = "first file, no newline at its end", "second file\n"
+    (tmp_path / "1.txt").write_text(one)
+    (tmp_path / "2.txt").write_text(two)
+    files = [tmp_path / "1.txt", tmp_path / "2.txt"]
+
+    def stream(out: Path, meta: dict) -> np.ndarray:
+        ids = [np.fromfile(out / f, meta["dtype"]) for f in ("train.bin", "val.bin")]
+        return np.concatenate(ids)
+
+    for tokenizer, option, between in [
+        ("char", "auto", "\n"),
+        ("char", "none", ""),
+        ("char", "\\n\\n", "\n\n"),  # as typed in a shell: escapes read
+        ("char", "<doc>", "<doc>"),
+        ("bytes", "auto", "\n"),
+    ]:
+        out = tmp_path / f"{tokenizer}_{len(between)}"
+        meta = prepare(files, out, tokenizer, 0.2, separator=option)
+        codec = codec_from_meta(read_meta(out), out)
+        assert codec.decode(stream(out, meta).tolist()) == one + between + two
+        assert meta["separator"] == (between or None)
+        assert meta["separator_ids"] == codec.encode(between).tolist()
+        if tokenizer == "char":
+            assert set(between) <= set(meta["chars"])  # the vocabulary holds the separator
+        assert TokenData(dir=str(out), block_size=4).data_vocab_size() == meta["vocab_size"]
+
+    (tmp_path / "train.txt").write_text(TEXT)
+    _hf_tokenizer_dir(tmp_path / "tok", tmp_path / "train.txt", eos=True)
+    meta = prepare(files, tmp_path / "hf", str(tmp_path / "tok"), 0.0)
+    ids = stream(tmp_path / "hf", meta)
+    eos = hf_tokenizer(tmp_path / "tok").tokenizer.token_to_id("<|endoftext|>")
+    assert meta["separator"] == "<|endoftext|>" and meta["separator_ids"] == [eos]
+    assert ids.tolist().count(eos) == 1  # between the two files, once
+    codec = codec_from_meta(read_meta(tmp_path / "hf"), tmp_path / "hf")
+    assert codec.decode(ids.tolist()) == one + "<|endoftext|>" + two
+
+    _hf_tokenizer_dir(tmp_path / "tok_no_eos", tmp_path / "train.txt", eos=False)
+    proc = _prepare_cli(*files, "--out", tmp_path / "hf2", "--tokenizer", tmp_path / "tok_no_eos")
+    assert proc.returncode == 0, proc.stderr
+    assert "separator '\\n' (the tokenizer names no EOS token) between files" in proc.stdout
+    meta = json.loads((tmp_path / "hf2" / "meta.json").read_text())
+    codec = codec_from_meta(meta, tmp_path / "hf2")
+    assert codec.decode(stream(tmp_path / "hf2", meta).tolist()) == one + "\n" + two

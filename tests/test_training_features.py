@@ -30,10 +30,10 @@ from reference import (
 from test_cli import run_cli, scalars
 from torch import nn
 
-from trainer.config import validate
+from trainer.config.checks import validate
 from trainer.errors import ConfigError
-from trainer.models import GPT, MLP, SmallCNN
-from trainer.optim import lr_lambda
+from trainer.models.builtin import GPT, MLP, SmallCNN
+from trainer.run.optim import lr_lambda
 
 MODES = ("ddp", "zero", "fsdp")
 STEPS, BATCH, ACCUM = 2, 12, 3
@@ -67,7 +67,7 @@ def _accumulate(env, mode: str) -> dict:
 
 
 def _clip(env, mode: str) -> dict:
-    from trainer.models import loss_fn
+    from trainer.models.builtin import loss_fn
 
     engine = _engine(mode, make_model("gpt_tied", seed=env.rank), optim="sgd")
     (x, y), *_ = batches("gpt_tied", 1, BATCH)
@@ -108,7 +108,7 @@ def _model_batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _checkpointing(env, mode: str) -> dict:
     from trainer import comm
-    from trainer.models import loss_fn
+    from trainer.models.builtin import loss_fn
 
     out = {}
     for flag in (False, True):
@@ -128,8 +128,8 @@ def _checkpointing(env, mode: str) -> dict:
 
 def _evaluate(env, mode: str) -> dict:
     from trainer import comm
-    from trainer.data import make_eval_loader, synthetic_tokens
-    from trainer.metrics import evaluate
+    from trainer.data.datasets import make_eval_loader, synthetic_tokens
+    from trainer.observe.metrics import evaluate
 
     engine = _engine(mode, make_model("gpt", seed=env.rank))
     held_out = synthetic_tokens(n=50, block_size=SEQ, vocab_size=VOCAB, train=False)
@@ -145,7 +145,7 @@ def _evaluate(env, mode: str) -> dict:
 
 
 def _metrics(env) -> dict | None:
-    from trainer.metrics import IntervalMetrics
+    from trainer.observe.metrics import IntervalMetrics
 
     clock = iter([10.0, 10.5]).__next__  # the interval starts at 10 s and ends at 10.5 s
     m = IntervalMetrics(torch.device("cpu"), flops_per_token=600.0, peak_flops=1e6, clock=clock)
@@ -156,9 +156,9 @@ def _metrics(env) -> dict | None:
 
 
 def _decay_groups(env, mode: str):
-    from trainer.models import loss_fn
-    from trainer.optim import optimizer_factory, param_options
+    from trainer.models.builtin import loss_fn
     from trainer.parallel import build_engine
+    from trainer.run.optim import optimizer_factory, param_options
 
     model = make_model("gpt", seed=env.rank)
     optim = OmegaConf.create(
@@ -295,7 +295,7 @@ def test_fsdp_checkpointing_gathers_each_unit_once_in_backward(ranks):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_evaluation_on_held_out_data(ranks, mode):
-    from trainer.data import synthetic_tokens
+    from trainer.data.datasets import synthetic_tokens
 
     world, results = ranks
     got = results[0][mode]["evaluate"]
@@ -345,8 +345,8 @@ def _step_peak(env, flag: bool) -> int:
     `peak` on CPU) over one training step of a GPT whose activations dominate."""
     import ctypes
 
-    from trainer.memory import peak_bytes
-    from trainer.models import loss_fn
+    from trainer.models.builtin import loss_fn
+    from trainer.observe.memory import peak_bytes
 
     # glibc raises its mmap threshold after large frees and then keeps freed activations
     # in the heap, so the high-water mark would also hold dead tensors: fix the threshold.
@@ -377,7 +377,7 @@ def test_activation_checkpointing_lowers_peak_memory():
 
 
 def test_resnet18_checkpointing_keeps_keys_gradients_and_statistics():
-    from trainer.models import loss_fn, resnet18
+    from trainer.models.builtin import loss_fn, resnet18
 
     torch.manual_seed(0)
     plain = resnet18(num_classes=OUT)
@@ -412,8 +412,8 @@ def test_schedule_counts_taken_steps_on_the_device_as_the_host_would():
     # step the lr a host-decided skip gives it, without reading the flag.
     from test_host_sync import CountSyncingOps
 
-    from trainer import host
-    from trainer.optim import lr_scheduler
+    from trainer.observe import host
+    from trainer.run.optim import lr_scheduler
 
     def optimizer() -> torch.optim.Optimizer:
         return torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=0.1, fused=True)

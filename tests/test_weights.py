@@ -1,4 +1,4 @@
-"""trainer/weights.py: safetensors checkpoints read slice by slice into models on meta."""
+"""trainer/models/weights.py: safetensors checkpoints read slice by slice into models on meta."""
 
 import json
 import random
@@ -9,10 +9,10 @@ from safetensors.torch import load_file, save_file, save_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from trainer.errors import ConfigError
-from trainer.lm import CausalLM
-from trainer.materialize import Request, SeededInit, empty_weights, materialize
-from trainer.models import GPT, SmallCNN
-from trainer.weights import Pretrained, WeightFiles
+from trainer.models.builtin import GPT, SmallCNN
+from trainer.models.lm import CausalLM
+from trainer.models.materialize import Request, SeededInit, empty_weights, materialize
+from trainer.models.weights import Pretrained, WeightFiles
 
 LLAMA = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -25,9 +25,10 @@ def scatter(
 ) -> Handle:
     """Rank r receives `scatter_list[r]` from rank `src`."""
     sent = 0
-    if scatter_list and rank(group) == src:
-        sent = sum(nbytes(t) for t in scatter_list[1:])
-    launch("scatter", tag, sent)
+    me = rank(group)
+    if scatter_list and me == src:  # every piece but its own
+        sent = sum(nbytes(t) for r, t in enumerate(scatter_list) if r != me)
+    launch("scatter", tag, sent, group=group)
     return Handle(dist.scatter(output, scatter_list, src, group=group, async_op=True))
 
 
@@ -47,7 +48,7 @@ def all_to_all(
     else:
         row = nbytes(input) / max(input.shape[0], 1)
         sent = row * (sum(input_splits) - input_splits[rank(group)])
-    launch("all_to_all", tag, sent)
+    launch("all_to_all", tag, sent, group=group)
     with on_comm_stream(output, input, group=group) as start:
         work = dist.all_to_all_single(
             output, input, output_splits, input_splits, group=group, async_op=True

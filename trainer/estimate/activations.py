@@ -31,8 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainer.models import loss_fn
-from trainer.precision import Precision, cast_module
+from trainer.models.builtin import loss_fn
+from trainer.parallel.precision import Precision, cast_module
 
 
 class LiveBytes(TorchDispatchMode):

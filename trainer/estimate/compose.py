@@ -1,5 +1,5 @@
 """The run to estimate, from the same Hydra overrides train.py takes: conf/ composed with
-Hydra's compose API and checked by trainer/config.py, once per mode.
+Hydra's compose API and checked by trainer/config/checks.py, once per mode.
 
 Without `mode=...` every mode is estimated. An override of a mode's own option
 (`mode.min_unit_params=...`) applies to the modes that have it; an option no mode has
@@ -13,8 +13,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import schema  # noqa: F401  (registers the config's types with Hydra)
-from trainer.config import CONF_DIR, validate
+from trainer.config import schema  # noqa: F401  (registers the config's types with Hydra)
+from trainer.config.checks import CONF_DIR, validate
 from trainer.errors import ConfigError
 from trainer.parallel import ENGINES
 

@@ -3,7 +3,7 @@ memory, so a 70B model costs nothing).
 
 The flat buffers are laid out by the functions the engines call: `flat.bucketize` and
 `FlatLayout` (padding) for ddp's and zero's buckets, `units.plan_units` for fsdp's units,
-`engine.split_by_options` for weight-decay groups, `pieces.cut` for what the optimizer
+`pieces.split_by_options` for weight-decay groups, `pieces.cut` for what the optimizer
 steps on each rank. The bytes per element of each kind come from `memory.bytes_per_element`,
 the rule memory.py checks runs against. The result is the figure `memory.measure` reads
 from a live run right after an optimizer step, to the byte (tests/test_estimate.py):
@@ -24,18 +24,14 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.flat import FlatLayout, bucketize
-from trainer.memory import bytes_per_element, optimizer_bytes_per_param
+from trainer.observe.memory import bytes_per_element, optimizer_bytes_per_param
 from trainer.parallel import ENGINES, pieces
-from trainer.parallel.engine import (
-    BROADCAST_PACK_BYTES,
-    OptimizerFactory,
-    ParamGroupFn,
-    split_by_options,
-)
+from trainer.parallel.broadcast import BROADCAST_PACK_BYTES
+from trainer.parallel.engine import OptimizerFactory, ParamGroupFn
+from trainer.parallel.flat import FlatLayout, bucketize
+from trainer.parallel.precision import Precision
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
 from trainer.parallel.zero import BUCKETS_IN_FLIGHT
-from trainer.precision import Precision
 
 KINDS = ("params", "master", "grads", "optimizer")
 
@@ -67,7 +63,7 @@ class Flat:
 
     names: list[str]
     layout: FlatLayout
-    extra: int = 0  # used-flags carried by its collective ([Note: used flags])
+    n_flags: int = 0  # used-flags carried by its collective ([Note: used flags])
     unit: int = -1  # fsdp: index of its unit in `plan_units` order (0: the root)
 
     @property
@@ -80,7 +76,7 @@ class Plan:
     """The flat buffers of one mode, in the order the engine builds them."""
 
     mode: str
-    flats: list[Flat]
+    flat_buffers: list[Flat]
     shard: int  # S: the ranks each flat buffer is cut over (1 in ddp)
     psi: int  # Ψ, trainable parameter elements
     options: dict[str, Any] = field(default_factory=dict)
@@ -110,12 +106,12 @@ def plan(
     bucket = int(options.get("bucket_mb", 25.0) * 2**20)
     if mode == "ddp":
         buckets = bucketize([p for _, p in named], bucket)
-        flats = [_flat(named, ps, 1) for ps in buckets]
+        flat_buffers = [_flat(named, ps, 1) for ps in buckets]
         shard = 1
     elif mode == "zero":
-        flats = [
+        flat_buffers = [
             _flat(named, ps, shard)
-            for _, pairs in split_by_options(named, param_options)
+            for _, pairs in pieces.split_by_options(named, param_options)
             for ps in bucketize([p for _, p in pairs], bucket)
         ]
     elif mode == "fsdp":
@@ -126,17 +122,18 @@ def plan(
             options.get("min_unit_params", 100_000),
             options.get("repeated_children", True),
         )
-        flats = [
+        flat_buffers = [
             Flat([n for n, _ in pairs], FlatLayout.of([p for _, p in pairs], shard), unit=i)
             for i, u in enumerate(units)
-            for _, pairs in split_by_options(u.params, param_options)
+            for _, pairs in pieces.split_by_options(u.params, param_options)
         ]
     else:
         raise ValueError(mode)
-    carrier = flats[0] if mode == "fsdp" else flats[-1]  # fsdp: the root's first buffer
+    # the buffer launched last carries the flags; fsdp: the root's first buffer
+    carrier = flat_buffers[0] if mode == "fsdp" else flat_buffers[-1]
     if mode != "fsdp" or carrier.root:
-        carrier.extra = len(named)
-    return Plan(mode, flats, shard, sum(p.numel() for _, p in named), options)
+        carrier.n_flags = len(named)
+    return Plan(mode, flat_buffers, shard, sum(p.numel() for _, p in named), options)
 
 
 def _flat(named: list[tuple[str, nn.Parameter]], ps: list[nn.Parameter], shard: int) -> Flat:
@@ -162,7 +159,7 @@ def model_state(
     per = bytes_per_element(p.mode, b, r, opt.per_element)
     sharded = ENGINES[p.mode].sharded_kinds
     out = dict.fromkeys(KINDS, 0)
-    for f in p.flats:
+    for f in p.flat_buffers:
         lay = f.layout
         s = lay.shard_size(p.shard)
         for kind in ("params", "master", "grads"):
@@ -171,9 +168,9 @@ def model_state(
         # reduced output keeps them after the shard's gradient elements; that gradient is
         # a view of it when it is fp32 already, else an fp32 copy without them.
         if p.mode == "ddp":
-            out["grads"] += f.extra * r
+            out["grads"] += f.n_flags * r
         elif r == 4:
-            out["grads"] += f.extra * 4
+            out["grads"] += f.n_flags * 4
         out["optimizer"] += _optimizer_bytes(p, f, opt, rank % p.shard)
     return out
 
@@ -215,12 +212,12 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
         return 0
     extra = p.psi * r if micro_batches > 1 else 0
     if r != 4:  # the reduced slices, kept apart from their fp32 copies
-        extra += sum((f.layout.shard_size(p.shard) + f.extra) * r for f in p.flats)
+        extra += sum((f.layout.shard_size(p.shard) + f.n_flags) * r for f in p.flat_buffers)
     if p.mode == "zero":
-        rows = [p.shard * (f.layout.shard_size(p.shard) + f.extra) * r for f in p.flats]
+        rows = [p.shard * (f.layout.shard_size(p.shard) + f.n_flags) * r for f in p.flat_buffers]
         return extra + sum(sorted(rows, reverse=True)[: BUCKETS_IN_FLIGHT + 1])
     per_unit: dict[int, int] = {}
-    for f in p.flats:
+    for f in p.flat_buffers:
         per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (b + r)
     root = per_unit.pop(0, 0)
     return extra + root + sum(sorted(per_unit.values(), reverse=True)[:2])
@@ -234,7 +231,7 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
 #   ordinary build (train.meta_build=false): the whole model, M, on every rank, and
 #     beside it the largest of
 #       - the broadcast of rank 0's values (P > 1): parameters and buffers packed into
-#         flat tensors of at most BROADCAST_PACK_BYTES (engine.broadcast_tensors)
+#         flat tensors of at most BROADCAST_PACK_BYTES (broadcast.py's broadcast_tensors)
 #       - ddp: its gradient buckets (Ψ in the reduce dtype, + the used-flags), and the
 #         fp32 masters (4Ψ) in mixed precision
 #       - zero: one bucket's full flat buffer, built while its parameters still hold
@@ -265,10 +262,10 @@ def build_peak(
     buffers_broadcast = min(buffer_bytes, BROADCAST_PACK_BYTES) if world_size > 1 else 0
     if p.mode in ("ddp", "zero"):
         if p.mode == "ddp":  # its gradient buckets, kept; fp32 masters in mixed precision
-            beside = sum((f.layout.padded_numel + f.extra) * r for f in p.flats)
+            beside = sum((f.layout.padded_numel + f.n_flags) * r for f in p.flat_buffers)
             beside += 4 * p.psi if precision.mixed else 0
         else:  # one bucket at a time; in mixed precision its cast and its fp32 master
-            n = max(f.layout.padded_numel for f in p.flats)
+            n = max(f.layout.padded_numel for f in p.flat_buffers)
             beside = n * 4 + (n * b + n // p.shard * 4 if precision.mixed else 0)
         return {
             "ordinary": model + max(broadcast, beside),
@@ -276,14 +273,14 @@ def build_peak(
         }
     per_unit: dict[int, int] = {}
     shards = 0
-    for f in p.flats:
+    for f in p.flat_buffers:
         per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel
         shards += f.layout.shard_size(p.shard) * 4
     largest = max(per_unit.values())
     unit_at_a_time = largest * 4 + largest // p.shard * 4
     root = per_unit.pop(0, 0)
     gathered = (root + sum(sorted(per_unit.values(), reverse=True)[:2])) * b
-    bare = any(f.unit < 0 for f in p.flats)  # a bare count: its units are unknown
+    bare = any(f.unit < 0 for f in p.flat_buffers)  # a bare count: its units are unknown
     return {
         "ordinary": model + max(broadcast, unit_at_a_time),
         "meta": None if bare else shards + buffer_bytes + max(largest_module_bytes, gathered),

@@ -14,14 +14,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from trainer.comm.groups import check_shard_group_size
-from trainer.config import engine_options
+from trainer.config.checks import engine_options
 from trainer.errors import ConfigError
 from trainer.estimate import layout
 from trainer.estimate.activations import Activations, measure_passes
 from trainer.estimate.traffic import Cluster, collectives, split, step_time
-from trainer.metrics import PEAK_FLOPS
-from trainer.optim import optimizer_factory, param_options
-from trainer.precision import Precision
+from trainer.observe.metrics import PEAK_FLOPS
+from trainer.parallel.precision import Precision
+from trainer.run.optim import optimizer_factory, param_options
 
 # The node the defaults describe: 8 H100 SXM GPUs per node on NVLink (450 GB/s each way
 # per GPU), one 400 Gb/s InfiniBand NIC per GPU (50 GB/s), 80 GB each.
@@ -152,7 +152,7 @@ def shard_size(mode: str, cfg: DictConfig, world: int, flag: int | None) -> int:
 
 
 def _build(cfg: DictConfig, **kwargs: Any) -> torch.nn.Module:
-    from trainer.build import model_sizes
+    from trainer.models.build import model_sizes
 
     with torch.device("cpu"):  # the data, where it sizes the model: real, even under meta
         sizes = model_sizes(cfg)  # the data's vocabulary where the model's is null
@@ -170,7 +170,7 @@ def sample_of(cfg: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         data = instantiate(dataset, **({"n": 1} if "n" in dataset else {}))
     except InstantiationException as e:
-        if isinstance(e.__cause__, ConfigError):  # files missing: one line from data.py
+        if isinstance(e.__cause__, ConfigError):  # files missing: one line from trainer/data/
             raise e.__cause__ from None
         raise
     x, y = data[0]

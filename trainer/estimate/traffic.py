@@ -1,50 +1,6 @@
 """Bytes each rank sends per step, by collective, inside a node and across nodes; and a
-step time from a simple model of compute and links.
-
-[Note: traffic per rank]
-The ring model trainer/comm/ counts with: for a collective over a group of G ranks on
-a buffer of n bytes (the whole buffer: the input of a ReduceScatter, the output of an
-AllGather) each rank sends `memory.bus_factor(op, G)` x n: 2(G-1)/G for AllReduce,
-(G-1)/G for ReduceScatter and AllGather. Every collective the engines issue in a step is
-listed from the same flat buffers they build (layout.py), flags included, so the figure
-equals `comm.stats` after one step, to the byte:
-  ddp   one AllReduce per bucket (the last carries the used-flags), once per step;
-  zero  one ReduceScatter per bucket, once per step; one AllGather per bucket after the
-        optimizer step;
-  fsdp  per micro-batch, an AllGather of every unit before its forward and again before
-        its backward (once with reshard_after_forward=false), the root unit's once; one
-        ReduceScatter per buffer, once per step.
-  Buffers (BatchNorm statistics) are broadcast from rank 0 before every training forward
-  (rank 0's figure: the others send nothing); waited for at once.
-Left out, as comm.stats leaves them out of a step: the small AllReduces of control values
-(fp16's found-inf, the clipping norm, unused-parameter checks) and the reductions of
-metrics at logging steps.
-With hybrid sharding ([Note: hybrid sharding] in comm/groups.py) AllGathers and
-ReduceScatters run over the S ranks of a shard group and each rank's reduced slice (its
-flags too) is then AllReduced across the R = P/S replicas: 2(R-1)/R x Ψr/S, what
-`comm.stats.bytes_across` counts.
-
-Inside a node / across nodes: ranks are numbered node by node (`--ranks-per-node` L).
-A ring over a group spanning N > 1 nodes has N of its G hops between nodes, so N/G of
-the bytes leave their node: per node, one ring's worth of the data, which NCCL spreads
-over the node's NICs (one ring per NIC rail), so each rank's NIC carries N/G of what the
-rank sends. A group inside one node sends nothing across.
-
-[Note: step time model]
-compute: 6Ψ FLOPs per prediction (2Ψ forward, 4Ψ backward; a prediction is a token of a
-language model, a sample of a classifier: for a CNN, whose weights are applied at every
-pixel, this undercounts, and the time is a lower bound), at `mfu` x `peak` FLOP/s;
-activation checkpointing adds a second forward (2Ψ) to every backward.
-communication: a collective takes the longer of its bytes inside the node over the
-intra-node bandwidth and its bytes across nodes over the inter-node bandwidth (both are
-per rank: NVLink, the rank's own NIC); collectives of a phase add up.
-overlap: communication launched during a pass hides behind that pass's compute, only the
-excess shows: ddp's AllReduce and zero's ReduceScatter behind the last micro-batch's
-backward; zero's AllGather after the optimizer step is not hidden (the next forward
-waits for it); fsdp's forward AllGathers behind each forward, its backward AllGathers
-(and, on the last micro-batch, its ReduceScatters) behind each backward; the cross-group
-AllReduce of hybrid sharding behind the last backward. The optimizer step, the time
-before the first collective can start and kernel launch gaps are not modelled.
+step time from a simple model of compute and links: [Note: traffic per rank] beside
+`collectives`, [Note: step time model] beside `step_time`.
 """
 
 from __future__ import annotations
@@ -53,8 +9,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from trainer.estimate.layout import Plan
-from trainer.memory import bus_factor
-from trainer.precision import Precision
+from trainer.observe.memory import bus_factor
+from trainer.parallel.precision import Precision
 
 # Phases a collective runs in, for the overlap model ([Note: step time model]).
 FORWARD, BACKWARD, LAST_BACKWARD = "forward", "backward", "last_backward"
@@ -81,6 +37,36 @@ class Sent:
     phase: str
 
 
+# [Note: traffic per rank]
+# The ring model trainer/comm/ counts with: for a collective over a group of G ranks on
+# a buffer of n bytes (the whole buffer: the input of a ReduceScatter, the output of an
+# AllGather) each rank sends `memory.bus_factor(op, G)` x n: 2(G-1)/G for AllReduce,
+# (G-1)/G for ReduceScatter and AllGather. Every collective the engines issue in a step is
+# listed from the same flat buffers they build (layout.py), flags included, so the figure
+# equals `comm.stats` after one step, to the byte:
+#   ddp   one AllReduce per bucket (the last carries the used-flags), once per step;
+#   zero  one ReduceScatter per bucket, once per step; one AllGather per bucket after the
+#         optimizer step;
+#   fsdp  per micro-batch, an AllGather of every unit before its forward and again before
+#         its backward (once with reshard_after_forward=false), the root unit's once; one
+#         ReduceScatter per buffer, once per step.
+#   Buffers (BatchNorm statistics) are broadcast from rank 0 before every training forward
+#   (rank 0's figure: the others send nothing); waited for at once.
+# Left out, as comm.stats leaves them out of a step: the small AllReduces of control values
+# (fp16's found-inf, the clipping norm, unused-parameter checks) and the reductions of
+# metrics at logging steps.
+# With hybrid sharding ([Note: hybrid sharding] in comm/groups.py) AllGathers and
+# ReduceScatters run over the S ranks of a shard group and each rank's reduced slice (its
+# flags too) is then AllReduced across the R = P/S replicas: 2(R-1)/R x Ψr/S, what
+# `comm.stats.bytes_across` counts.
+#
+# Inside a node / across nodes: ranks are numbered node by node (`--ranks-per-node` L).
+# A ring over a group spanning N > 1 nodes has N of its G hops between nodes, so N/G of
+# the bytes leave their node: per node, one ring's worth of the data, which NCCL spreads
+# over the node's NICs (one ring per NIC rail), so each rank's NIC carries N/G of what the
+# rank sends. A group inside one node sends nothing across.
+
+
 def collectives(
     p: Plan, precision: Precision, world: int, micro_batches: int, buffer_bytes: int
 ) -> list[Sent]:
@@ -95,22 +81,22 @@ def collectives(
             out.append(Sent("broadcast", buffer_bytes, list(range(world)), EXPOSED))
     if p.mode == "ddp":
         everyone = list(range(world))
-        for f in p.flats:
-            n = (f.layout.numel + f.extra) * r
+        for f in p.flat_buffers:
+            n = (f.layout.numel + f.n_flags) * r
             out.append(
                 Sent("all_reduce", bus_factor("all_reduce", world) * n, everyone, LAST_BACKWARD)
             )
         return out
-    for f in p.flats:
+    for f in p.flat_buffers:
         size = f.layout.shard_size(s)
-        rows = s * (size + f.extra) * r  # the ReduceScatter's input, flags included
+        rows = s * (size + f.n_flags) * r  # the ReduceScatter's input, flags included
         out.append(
             Sent(
                 "reduce_scatter", bus_factor("reduce_scatter", s) * rows, shard_group, LAST_BACKWARD
             )
         )
         if len(replicas) > 1:  # the reduced slice, flags included
-            ar = bus_factor("all_reduce", len(replicas)) * (size + f.extra) * r
+            ar = bus_factor("all_reduce", len(replicas)) * (size + f.n_flags) * r
             out.append(Sent("all_reduce", ar, replicas, LAST_BACKWARD))
         gather = bus_factor("all_gather", s) * f.layout.padded_numel * b
         if p.mode == "zero":
@@ -145,6 +131,23 @@ def seconds(c: Sent, cluster: Cluster) -> float:
     """[Note: step time model]: the slower of the two links."""
     across = _across(c, cluster.ranks_per_node)
     return max((c.nbytes - across) / cluster.intra_Bps, across / cluster.inter_Bps)
+
+
+# [Note: step time model]
+# compute: 6Ψ FLOPs per prediction (2Ψ forward, 4Ψ backward; a prediction is a token of a
+# language model, a sample of a classifier: for a CNN, whose weights are applied at every
+# pixel, this undercounts, and the time is a lower bound), at `mfu` x `peak` FLOP/s;
+# activation checkpointing adds a second forward (2Ψ) to every backward.
+# communication: a collective takes the longer of its bytes inside the node over the
+# intra-node bandwidth and its bytes across nodes over the inter-node bandwidth (both are
+# per rank: NVLink, the rank's own NIC); collectives of a phase add up.
+# overlap: communication launched during a pass hides behind that pass's compute, only the
+# excess shows: ddp's AllReduce and zero's ReduceScatter behind the last micro-batch's
+# backward; zero's AllGather after the optimizer step is not hidden (the next forward
+# waits for it); fsdp's forward AllGathers behind each forward, its backward AllGathers
+# (and, on the last micro-batch, its ReduceScatters) behind each backward; the cross-group
+# AllReduce of hybrid sharding behind the last backward. The optimizer step, the time
+# before the first collective can start and kernel launch gaps are not modelled.
 
 
 def step_time(

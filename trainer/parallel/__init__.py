@@ -1,4 +1,11 @@
-"""build_engine(): one entry point for every data-parallel mode."""
+"""build_engine(): one entry point for every data-parallel mode.
+
+Each mode is one file read top to bottom (ddp.py, zero.py, fsdp.py) over engine.py, what every
+mode shares; zero and fsdp keep their state in sharded.py's buffers. Below them: flat.py
+(layouts), buckets.py, units.py, schedule.py, pieces.py, used.py, state.py, broadcast.py,
+clipping.py, and precision.py and scaling.py (bf16/fp16 compute, fp16 loss scaling and its
+step). Start with zero.py.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +16,14 @@ from torch import nn
 
 from trainer import comm
 from trainer.errors import ConfigError
-from trainer.materialize import Request, Source, has_meta, materialize, swap_into
+from trainer.models.materialize import Request, Source, has_meta, materialize, swap_into
+from trainer.parallel.broadcast import broadcast_tensors
 from trainer.parallel.ddp import DDPEngine
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, broadcast_tensors
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
 from trainer.parallel.fsdp import FSDPEngine
+from trainer.parallel.precision import Precision
+from trainer.parallel.scaling import LossScaler, fused_for_scaling
 from trainer.parallel.zero import ZeroEngine
-from trainer.precision import Precision
-from trainer.scaling import LossScaler, fused_for_scaling
 
 ENGINES: dict[str, type[Engine]] = {"ddp": DDPEngine, "zero": ZeroEngine, "fsdp": FSDPEngine}
 
@@ -35,7 +43,7 @@ def build_engine(
     """Wrap `model` (fp32) for `mode`; `optimizer` is called with the parameters it should
     step. `precision` (fp32 | bf16 | fp16) is the dtype forward and backward run in, with
     fp32 masters for the optimizer; `reduce_dtype` the dtype gradients are reduced in;
-    `loss_scale` the options of fp16's dynamic loss scaling (trainer/scaling.py); in
+    `loss_scale` the options of fp16's dynamic loss scaling (trainer/parallel/scaling.py); in
     fp16 Adam, AdamW and SGD partials build torch's fused variant where it exists, which
     skips an overflowed step on the device ([Note: dynamic loss scaling]).
     `param_options(name, param)` gives a parameter's optimizer options (e.g.

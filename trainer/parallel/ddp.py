@@ -7,7 +7,7 @@ bucket's AllReduce asynchronously, strictly in bucket order ([Note: buckets in o
 buckets.py), while backward carries on with earlier layers. All handles are waited for
 in one place, the end-of-backward callback.
 
-Mixed precision ([Note: master weights] in trainer/precision.py): buckets hold gradients
+Mixed precision ([Note: master weights] in trainer/parallel/precision.py): buckets hold gradients
 in `reduce_dtype`. When that is the parameters' dtype the `.grad` views work as above;
 otherwise the hook adds each gradient into its slot, casting, and drops autograd's
 (under no_sync too, so micro-batches accumulate in the reduce dtype). After the
@@ -29,19 +29,13 @@ import torch
 from torch import nn
 
 from trainer import comm
-from trainer.flat import FlatLayout, bucketize
 from trainer.parallel.buckets import BucketQueue
-from trainer.parallel.engine import (
-    Engine,
-    OptimizerFactory,
-    ParamGroupFn,
-    ShardGroup,
-    param_groups,
-)
-from trainer.parallel.pieces import Piece
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, ShardGroup
+from trainer.parallel.flat import FlatLayout, bucketize
+from trainer.parallel.pieces import Piece, param_groups
+from trainer.parallel.precision import Precision
+from trainer.parallel.scaling import LossScaler
 from trainer.parallel.used import UsedFlags
-from trainer.precision import Precision
-from trainer.scaling import LossScaler
 
 
 class _Bucket:
@@ -87,6 +81,7 @@ class DDPEngine(Engine):
         self._flags = self.buckets[-1].buffer[self.buckets[-1].layout.numel :]  # (n,)
         self._used = UsedFlags(params)
         self._skipped: set[int] = set()  # positions whose .grad is None until the next step
+        self._had_backward = False  # a backward (synced or under no_sync) since the last step
         if mp.mixed:  # fp32 masters from the fp32 values, then the module is cast
             for b in self.buckets:
                 b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
@@ -132,7 +127,8 @@ class DDPEngine(Engine):
         b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}")
 
     def _finish_backward(self) -> None:
-        if not self._sync:
+        self._had_backward = True
+        if not self._sync:  # local gradients, applied as they are if a step follows (torch DDP)
             return
         # Buckets still pending hold parameters that got no gradient in this backward
         # (their slots hold zeros, or gradients of earlier backwards and no_sync
@@ -151,6 +147,15 @@ class DDPEngine(Engine):
         self._skipped = self._used.unused_everywhere(self._flags)
         for i in self._skipped:
             self._masters[i][1].grad = None
+
+    def _step(self) -> None:
+        if not self._had_backward:
+            # No backward since the last step (an evaluation step, say): no parameter has
+            # a gradient, as in one process, although the buckets' zeros sit in .grad.
+            self._skipped = set(range(len(self._masters)))
+            for _, m in self._masters:
+                m.grad = None
+        super()._step()
 
     @torch.no_grad()
     def params_from_masters(self) -> None:
@@ -176,6 +181,7 @@ class DDPEngine(Engine):
                 p = self._masters[i][0]
                 p.grad = self._view_of[id(p)]
         self._skipped = set()
+        self._had_backward = False
         self._used.clear()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:

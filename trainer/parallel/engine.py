@@ -8,8 +8,8 @@
 Each mode subclasses `Engine` in its own file and decides where gradients live, when
 they are communicated and what the optimizer sees (`_finish_backward`, `_step`). What is
 the same for every mode lives here: the end-of-backward callback, casting inputs and
-outputs for mixed precision, loss scaling, clipping by the global norm, buffers that
-follow rank 0, the full state_dict and checkpoint state.
+outputs, buffers that follow rank 0. fp16's step is scaling.py's, clipping clipping.py's,
+the gathering of full_state_dict pieces.py's.
 
 [Note: end of backward]
 Users call `loss.backward()`, as with torch DDP and FSDP2, not a method of ours. The
@@ -30,41 +30,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import comm, host
+from trainer import comm
 from trainer.comm import groups as comm_groups
 from trainer.errors import ConfigError
+from trainer.parallel import clipping, pieces
+from trainer.parallel.broadcast import broadcast_tensors
 from trainer.parallel.pieces import ShardGroup
-from trainer.precision import Precision, cast_module
-from trainer.scaling import LossScaler, can_skip_on_device, skipping_if
+from trainer.parallel.precision import Precision, cast_module
+from trainer.parallel.scaling import LossScaler, can_skip_on_device
 
 # Called with the tensors to step: a list of tensors, or of param-group dicts.
 OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
 # Optimizer options of one parameter, by name: {} for the defaults, {"weight_decay": 0.0}.
 ParamGroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
-
-
-def split_by_options(
-    named: Iterable[tuple[str, nn.Parameter]], options: ParamGroupFn | None
-) -> list[tuple[dict[str, Any], list[tuple[str, nn.Parameter]]]]:
-    """Parameters grouped by the optimizer options `options` gives each, groups in order
-    of first appearance; one group with {} when `options` is None. zero and fsdp lay each
-    group out in flat buffers of its own, so that a shard never mixes two groups."""
-    groups: dict[tuple, tuple[dict[str, Any], list]] = {}
-    for name, p in named:
-        opts = options(name, p) if options else {}
-        groups.setdefault(tuple(sorted(opts.items())), (opts, []))[1].append((name, p))
-    return list(groups.values())
-
-
-def param_groups(pairs: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> list[dict[str, Any]]:
-    """torch.optim param groups from (options, tensor) pairs, one group per distinct
-    options. Groups are ordered by their options (the defaults first), not by where the
-    modes happen to meet them, so a checkpoint's groups line up in every mode."""
-    groups: dict[tuple, dict[str, Any]] = {}
-    for opts, t in pairs:
-        key = tuple(sorted(opts.items()))
-        groups.setdefault(key, {**opts, "params": []})["params"].append(t)
-    return [groups[k] for k in sorted(groups, key=lambda k: (len(k), repr(k)))]
 
 
 class Engine(ABC):
@@ -95,7 +73,7 @@ class Engine(ABC):
         # The ranks a sharding mode splits its state over ([Note: hybrid sharding] in
         # comm/groups.py): all of them unless the mode was given a shard group size.
         self.mesh = comm_groups.Mesh(None, None, self.world_size, self.rank, 1)
-        # [Note: master weights] in trainer/precision.py. Each mode builds its fp32
+        # [Note: master weights] in trainer/parallel/precision.py. Each mode builds its fp32
         # masters from the module's fp32 values, then casts the module.
         self.precision = precision or Precision()
         # where the model's state lives (given for a model whose parameters are on meta)
@@ -104,8 +82,6 @@ class Engine(ABC):
         self._module_buffers = [b for b in module.buffers()]
         self._buffers_changed = False  # a training forward ran since the last broadcast
         self._sync = True
-        # fp16: the ranks' agreed found-inf flag, 0-d on the device, once unscaled
-        self._found_inf: torch.Tensor | None = None
         self._in_backward = False  # [Note: end of backward]: the callback is queued
         self._scaling = False  # inside engine.backward(), which scales the loss
         self._frozen: dict[int, torch.Tensor] = {}  # fp32 values of frozen params, if cast
@@ -180,7 +156,7 @@ class Engine(ABC):
 
     def _end_backward(self) -> None:
         self._in_backward = False
-        self._found_inf = None  # new gradients: not unscaled yet
+        self.scaler.found_inf = None  # new gradients: not unscaled yet
         self._finish_backward()
 
     def step(self) -> bool | torch.Tensor:
@@ -192,20 +168,8 @@ class Engine(ABC):
         if not self.scaler.enabled:
             self._step()
             return True
-        found_inf = self._unscale()
-        if self.skips_on_device:
-            with skipping_if(self.optimizer, found_inf):
-                self._step()  # the optimizer updates nothing where found_inf is 1
-            stepped = found_inf == 0
-        else:  # the fallback of the note: the host decides, one read per step
-            stepped = host.item(found_inf, "fp16 found_inf") == 0
-            if stepped:
-                self._step()
-            else:
-                self.zero_grad()
-        self.scaler.update(found_inf)
-        self._found_inf = None
-        return stepped
+        self._unscale()
+        return self.scaler.step(self.optimizer, self._step, self.zero_grad)
 
     @property
     def skips_on_device(self) -> bool:
@@ -213,21 +177,9 @@ class Engine(ABC):
         host read per step ([Note: dynamic loss scaling])."""
         return self.scaler.enabled and can_skip_on_device(self.optimizer)
 
-    @torch.no_grad()
     def _unscale(self) -> torch.Tensor | None:
-        """Divide the gradients by the loss scale (once per step) and return whether any
-        rank holds an inf/NaN among them: a 0-d fp32 flag on the device, 1.0 or 0.0.
-        Without loss scaling: nothing to do, None."""
-        if not self.scaler.enabled:
-            return None
-        if self._found_inf is None:
-            grads, _ = self.grad_tensors()
-            found = self.scaler.unscale_(grads)  # (1,)
-            if self.world_size > 1:  # ranks must agree, else their collectives diverge
-                comm.all_reduce(found, tag="found_inf", account=False).wait()
-                found.clamp_(max=1.0)  # a count of ranks; fused kernels skip on exactly 1
-            self._found_inf = found.reshape(())
-        return self._found_inf
+        """fp16: the gradients unscaled once per step; the ranks' agreed found-inf flag."""
+        return self.scaler.unscale_agreed(lambda: self.grad_tensors()[0])
 
     # -- what every mode implements -----------------------------------------------------
     @abstractmethod
@@ -256,22 +208,11 @@ class Engine(ABC):
         """Unsharded state with the keys of `module.state_dict()`, as CPU copies: fp32
         parameters from the masters, floating buffers in fp32. A collective in the modes
         that shard: every rank must call it."""
-        named = dict(self.module.named_parameters())
-        values: dict[int, torch.Tensor] = {}
-        for g in self.shard_groups():
-            flat = g.local.detach().reshape(-1)
-            if g.sharded:  # the shard group's slices of the fp32 masters, in rank order
-                full = flat.new_empty(g.layout.padded_numel)
-                comm.all_gather(full, flat, tag="state", group=self.mesh.shard).wait()
-                flat = full
-            for name, view in zip(g.names, g.layout.views(flat), strict=True):
-                values[id(named[name])] = view.cpu().clone()
-        out = {}
-        for k, v in self.module.state_dict(keep_vars=True).items():
-            t = values.get(id(v))
-            # buffers and frozen parameters: every rank holds them whole
-            out[k] = t if t is not None else self.whole_copy(v)
-        return out
+        whole = pieces.whole_values(self.shard_groups(), self.mesh.shard)
+        by_id = {id(p): whole[n] for n, p in self.module.named_parameters() if n in whole}
+        # buffers and frozen parameters: every rank holds them whole
+        state = self.module.state_dict(keep_vars=True)
+        return {k: by_id[id(v)] if id(v) in by_id else self.whole_copy(v) for k, v in state.items()}
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by kind, for memory accounting from live storages.
@@ -310,30 +251,13 @@ class Engine(ABC):
         """
         return [p.grad for p in self.module.parameters() if p.grad is not None], False
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global L2 norm is at most `max_norm`; return
         the norm before clipping, as `torch.nn.utils.clip_grad_norm_` does on one process.
-
-        Call it after `backward()` and before `step()`, on every rank: in sharded modes
-        the squared norms of the shards are summed over ranks (one small AllReduce), so
-        every rank computes the same norm and the same scale.
-        """
+        Call it after `backward()` and before `step()`, on every rank (clipping.py)."""
         self._unscale()  # clip the true gradients, not the loss-scaled ones
         grads, sharded = self.grad_tensors()
-        device = self.device
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-        sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
-        if sharded:  # each slice once: summed over one shard group, not its replicas
-            sq = sq.reshape(1)
-            comm.all_reduce(sq, tag="grad_norm", account=False, group=self.mesh.shard).wait()
-            sq = sq.reshape(())
-        total = sq.sqrt()
-        # As torch: the 1e-6 keeps a zero norm finite; a factor above 1 is clamped away.
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
-        return total
+        return clipping.clip_grad_norm_(grads, max_norm, sharded, self.mesh.shard, self.device)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -369,45 +293,3 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-
-
-# What one packed broadcast copies at most: many small tensors go in one collective, while
-# a whole model packed at once would hold a second copy of it while it starts.
-BROADCAST_PACK_BYTES = 64 * 2**20
-
-
-def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Broadcast many tensors, packed into flat buffers of at most BROADCAST_PACK_BYTES per
-    dtype (one collective each); a tensor larger than that is sent in place, alone."""
-    if comm.world_size() == 1:
-        return
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    for group in by_dtype.values():
-        packs: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for t in group:
-            nbytes = t.numel() * t.element_size()
-            if packs[-1] and size + nbytes > BROADCAST_PACK_BYTES:
-                packs.append([])
-                size = 0
-            packs[-1].append(t)
-            size += nbytes
-        for pack in packs:
-            _broadcast_pack(pack, src)
-
-
-@torch.no_grad()
-def _broadcast_pack(pack: list[torch.Tensor], src: int) -> None:
-    if len(pack) == 1 and pack[0].is_contiguous():  # no copy needed
-        comm.broadcast(pack[0].detach(), src, tag="state").wait()
-        return
-    flat = torch.cat([t.detach().reshape(-1) for t in pack])
-    comm.broadcast(flat, src, tag="state").wait()
-    offset = 0
-    for t in pack:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
-    comm.free_storage(flat)

@@ -32,15 +32,15 @@ from trainer import comm
 from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
 from trainer.errors import ConfigError
-from trainer.materialize import Source, swap_into
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
-from trainer.parallel.pieces import ShardGroup
+from trainer.models.materialize import Source, swap_into
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
+from trainer.parallel.pieces import ShardGroup, split_by_options
+from trainer.parallel.precision import Precision
+from trainer.parallel.scaling import LossScaler
 from trainer.parallel.schedule import Schedule
 from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import Arrivals, UsedFlags
-from trainer.precision import Precision
-from trainer.scaling import LossScaler
 
 
 class _UnitBuffer(ShardedBuffer):
@@ -210,6 +210,7 @@ class FSDPEngine(Engine):
         # [Note: one collective order on every rank] in schedule.py
         self._schedule = Schedule(self.units[1:], self._unshard, self._turn)
         self._ran: set[int] = set()  # units that ran in this forward
+        self._top: _Unit | None = None  # the unit whose forward runs outermost, if any
         self._pending: _Unit | None = None  # ran last, freed when another unit starts
         self._opaque: list[_Unit] = []  # ran without grad in this forward
         self._calls: list[_Unit] = []  # units in the order they ran in this forward
@@ -247,19 +248,38 @@ class FSDPEngine(Engine):
 
     # -- forward ---------------------------------------------------------------------------
     # [Note: freeing after forward]
-    # With reshard_after_forward a unit is freed once another unit starts (or the forward
-    # ends), not the moment its own forward returns: a unit called again at once
-    # (`x = layer(layer(x))`, a shared layer applied N times) then reuses its gathered
-    # parameters on whichever rank does so, and no rank issues an AllGather the others do
-    # not. A unit called again after another unit ran in between would need a second
-    # AllGather, and a rank that calls it fewer times has nothing to pair it with: its
-    # next AllGather would meet this one (a hang, a Gloo abort, or, for units of equal
-    # size, silently mixed weights). No rank can know what its peers will call without a
-    # collective per unit and a host read, so such a call is refused before it sends
-    # anything, on the rank that makes it; that rank's process ends, and its peers' next
-    # collective fails at once. One rank alone has no peer and gathers it again.
-    # With reshard_after_forward=false units stay gathered until backward: any number of
-    # calls, in any order.
+    # With reshard_after_forward a unit is freed once another unit with parameters to
+    # gather starts (or the forward ends), not the moment its own forward returns: a unit
+    # called again at once (`x = layer(layer(x))`, a shared layer applied N times, calls
+    # with and without grad) then reuses its gathered parameters on whichever rank does
+    # so, and no rank issues an AllGather the others do not. A unit that gathers nothing
+    # (all its parameters frozen) frees nothing when it runs. A unit called again after
+    # another such unit ran in between would need a second AllGather, and a rank that
+    # calls it fewer times has nothing to pair it with: its next AllGather would meet this
+    # one (a hang, a Gloo abort, or, for units of equal size, silently mixed weights). No
+    # rank can know what its peers will call without a collective per unit and a host
+    # read, so such a call is refused before it sends anything, on the rank that makes
+    # it; that rank's process ends, and its peers' next collective fails at once. One rank
+    # alone has no peer and gathers it again.
+    # With reshard_after_forward=false a unit stays gathered from its first call until
+    # its turn in backward, whether its calls ran with grad or not: any number of calls,
+    # in any order. Only a forward that runs wholly without grad (no backward follows)
+    # frees every unit at its end. Freeing a unit that ran only under no_grad earlier
+    # would save memory, but whether it is gathered again in backward would then depend
+    # on the rank's calls, and the backward's AllGathers would pair up wrongly.
+    #
+    # [Note: a forward that starts below the root]
+    # `engine.module[0](x)` runs a unit (or a module enclosing units) without the root:
+    # FSDP2 trains it. The record of this forward (`_ran`, `_calls`, `_opaque`, the
+    # forward order) starts anew there when no backward is pending, as it does at every
+    # root forward; while one is pending (a forward with grad since the last backward)
+    # the call adds to the record, as a second root forward before one backward adds
+    # to the expected gradients. The outermost unit's forward ends the call: its outputs
+    # say which gradients come (`_expect`), and it is freed as a unit it encloses would
+    # be. Units it did not run stay as they are until the backward; the root, which did
+    # not run, is reduced last as always and its unused parameters keep no gradient.
+    # Such calls keep the ranks paired when every rank makes them alike, as FSDP2 needs:
+    # the one order of the schedule starts at the root.
     def _pre_forward(self, u: _Unit) -> None:
         # [Note: activation checkpointing]
         # torch.utils.checkpoint (non-reentrant) reruns a checkpointed unit's forward in
@@ -284,14 +304,18 @@ class FSDPEngine(Engine):
             self._wait(u)
             comm.record("recompute_begin", u.tag)
             return
-        if u is self.root:
+        outermost = self._top is None or u is self.root
+        if outermost:
+            self._top = u
+        if u is self.root or (outermost and self._expect_fresh):  # a new record
             self._ran = set()
             self._calls = []  # units in the order they ran in this forward
             self._opaque = []
-            self._unshard(u)
+            if u is self.root:
+                self._unshard(u)
             self._schedule.start_forward()  # prefetches the first unit
-        else:
-            if self._pending not in (None, u):  # [Note: freeing after forward]
+        if u is not self.root:
+            if u.flat_buffers and self._pending not in (None, u):  # [Note: freeing after forward]
                 self._reshard(self._pending)
                 self._pending = None
             if id(u) in self._ran and not u.is_full:  # [Note: freeing after forward]
@@ -314,9 +338,10 @@ class FSDPEngine(Engine):
         calls = 1 + sum(1 for v in self._calls if v is u)
         raise ConfigError(
             f"fsdp: unit {u.name!r} ran again on rank {self.rank} (call {calls} in this forward) "
-            "after it was freed (another unit ran in between); its AllGather would have no partner "
-            "on ranks that call it fewer times. Set mode.reshard_after_forward=false to keep "
-            "units gathered until backward, or call it only consecutively"
+            "after it was freed (another unit with trainable parameters ran in between); its "
+            "AllGather would have no partner on ranks that call it fewer times. Set "
+            "mode.reshard_after_forward=false to keep units gathered until backward, or call "
+            "it only consecutively"
         )
 
     def _post_forward(self, u: _Unit, output: Any) -> None:
@@ -332,22 +357,27 @@ class FSDPEngine(Engine):
             ]
             if outs:  # fires once, when the first gradient w.r.t. the unit's outputs exists
                 register_multi_grad_hook(outs, lambda g, u=u: self._pre_backward(u), mode="any")
-        if u is not self.root:
-            if not grad or self.reshard_after_forward:
+        if u is not self._top:  # inside another unit's forward
+            if u.flat_buffers and self.reshard_after_forward:  # [Note: freeing after forward]
                 if self._pending not in (None, u):
                     self._reshard(self._pending)
                 self._pending = u  # freed when another unit starts, or the forward ends
             return
-        self._schedule.end_forward()  # units this rank skipped at the end
+        self._top = None
+        if u is self.root:
+            self._schedule.end_forward()  # units this rank skipped at the end
+        elif self.reshard_after_forward:  # [Note: a forward that starts below the root]
+            self._reshard(u)
         if self._pending is not None:
             self._reshard(self._pending)
             self._pending = None
-        if not grad:  # no backward will follow: free everything now
-            for v in self.units:
-                self._reshard(v)
+        if not grad:
+            if u is self.root or self._expect_fresh:  # no backward needs them: free all now
+                for v in self.units:
+                    self._reshard(v)
             return
-        if self.reshard_after_forward:  # skipped: freed as the ranks that ran them freed them
-            for v in self._schedule.units:
+        if self.reshard_after_forward and u is self.root:  # skipped: freed as the ranks
+            for v in self._schedule.units:  # that ran them freed them
                 if id(v) not in self._ran:
                     self._reshard(v)
         self._expect(outs)
@@ -476,6 +506,7 @@ class FSDPEngine(Engine):
             u.ready, u.done = 0, False
         self._arrived.clear()
         self._expect_fresh = True  # the next forward's graph says what the next backward gets
+        self._top = None
         self._schedule.reset_backward()
 
     def _flags_alone(self) -> torch.Tensor:

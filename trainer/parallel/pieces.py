@@ -1,4 +1,5 @@
-"""What the optimizer steps in zero and fsdp: one piece per parameter of each flat shard.
+"""What the optimizer steps: its param groups (every mode), and in zero and fsdp one piece
+per parameter of each flat shard; a shard group whole again (`whole_values`).
 
 [Note: per-parameter optimizer tensors]
 zero and fsdp keep this rank's part of the model as slice r of flat buffers (a bucket, a
@@ -18,13 +19,15 @@ gradients are views into the shard's reduced gradient, handed out after each bac
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from trainer.flat import FlatLayout
+from trainer import comm
+from trainer.parallel.flat import FlatLayout
 
 
 @dataclass
@@ -75,3 +78,44 @@ def hand_out(pieces: Iterable[Piece], grad: torch.Tensor | None, unused: set[int
     that no rank used since the last step."""
     for p in pieces:
         p.tensor.grad = None if grad is None or p.flag in unused else grad[p.start : p.end]
+
+
+def split_by_options(
+    named: Iterable[tuple[str, nn.Parameter]],
+    options: Callable[[str, nn.Parameter], dict[str, Any]] | None,
+) -> list[tuple[dict[str, Any], list[tuple[str, nn.Parameter]]]]:
+    """Parameters grouped by the optimizer options `options` gives each, groups in order
+    of first appearance; one group with {} when `options` is None. zero and fsdp lay each
+    group out in flat buffers of its own, so that a shard never mixes two groups."""
+    groups: dict[tuple, tuple[dict[str, Any], list]] = {}
+    for name, p in named:
+        opts = options(name, p) if options else {}
+        groups.setdefault(tuple(sorted(opts.items())), (opts, []))[1].append((name, p))
+    return list(groups.values())
+
+
+def param_groups(pairs: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> list[dict[str, Any]]:
+    """torch.optim param groups from (options, tensor) pairs, one group per distinct
+    options. Groups are ordered by their options (the defaults first), not by where the
+    modes happen to meet them, so a checkpoint's groups line up in every mode."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for opts, t in pairs:
+        key = tuple(sorted(opts.items()))
+        groups.setdefault(key, {**opts, "params": []})["params"].append(t)
+    return [groups[k] for k in sorted(groups, key=lambda k: (len(k), repr(k)))]
+
+
+@torch.no_grad()
+def whole_values(groups: Sequence[ShardGroup], group) -> dict[str, torch.Tensor]:
+    """Every parameter of `groups` whole, as CPU copies by name: a sharded group's slices
+    gathered over `group` in rank order (a collective: every rank of it calls this)."""
+    values = {}
+    for g in groups:
+        flat = g.local.detach().reshape(-1)
+        if g.sharded:  # the shard group's slices of the fp32 masters, in rank order
+            full = flat.new_empty(g.layout.padded_numel)
+            comm.all_gather(full, flat, tag="state", group=group).wait()
+            flat = full
+        for name, view in zip(g.names, g.layout.views(flat), strict=True):
+            values[name] = view.cpu().clone()
+    return values

@@ -1,40 +1,41 @@
-"""fsdp's order of collectives, the same on every rank.
-
-[Note: one collective order on every rank]
-Ranks may run different units (control flow that depends on the rank or its data: a
-layer some ranks skip, an output some ranks leave out of the loss). Gathering and
-reducing units as they happen to run would give the ranks different sequences of
-collectives, which pair up wrongly (equal-size units silently, others with a crash or a
-hang). So every collective follows one schedule that all ranks share, the units in
-registration order:
-  forward   every scheduled unit is gathered once, in order: a unit about to run first
-            gathers the units before it not yet gathered (ones this rank skips, freed
-            when the forward ends), then itself, then prefetches the next; the root
-            gathers the rest when the forward ends.
-  backward  one sequence of events, in reverse order, that a rank running every unit
-            produces: AllGather(n-1), then for k = n-1 .. 0: AllGather(k-1),
-            ReduceScatter(k). A rank issues an event only in that order, and a
-            ReduceScatter only once the unit's gradients are done; a unit this rank
-            gives no gradient is done from the start of backward (the engine knows which
-            from the forward's autograd graph) and is reduced as zeros at its turn.
-Waiting is then safe: every rank waits only for collectives it issued itself, and all
-ranks issue the same collectives in the same order, so the oldest collective that any
-rank waits for has been issued by every rank. In particular fsdp's bounded number of
-ReduceScatters in flight (the wait for the oldest one, to free its input) can never wait
-for a ReduceScatter that another rank would issue only after an AllGather this rank has
-not issued yet: the order puts that ReduceScatter first on every rank.
-A prefetch that the order does not allow yet is simply issued later. A unit whose
-parameters are needed before its turn (`need`: an activation-checkpointed region
-recomputing several units at once) is gathered at once; the same model does the same on
-every rank, so the order stays common.
-What it costs: a model whose forward order differs from registration order gathers
-some units earlier than needed; a unit that no rank runs is still gathered.
+"""fsdp's order of collectives, the same on every rank, whatever units each rank runs:
+[Note: one collective order on every rank], beside `Schedule`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+# [Note: one collective order on every rank]
+# Ranks may run different units (control flow that depends on the rank or its data: a
+# layer some ranks skip, an output some ranks leave out of the loss). Gathering and
+# reducing units as they happen to run would give the ranks different sequences of
+# collectives, which pair up wrongly (equal-size units silently, others with a crash or a
+# hang). So every collective follows one schedule that all ranks share, the units in
+# registration order:
+#   forward   every scheduled unit is gathered once, in order: a unit about to run first
+#             gathers the units before it not yet gathered (ones this rank skips, freed
+#             when the forward ends), then itself, then prefetches the next; the root
+#             gathers the rest when the forward ends.
+#   backward  one sequence of events, in reverse order, that a rank running every unit
+#             produces: AllGather(n-1), then for k = n-1 .. 0: AllGather(k-1),
+#             ReduceScatter(k). A rank issues an event only in that order, and a
+#             ReduceScatter only once the unit's gradients are done; a unit this rank
+#             gives no gradient is done from the start of backward (the engine knows which
+#             from the forward's autograd graph) and is reduced as zeros at its turn.
+# Waiting is then safe: every rank waits only for collectives it issued itself, and all
+# ranks issue the same collectives in the same order, so the oldest collective that any
+# rank waits for has been issued by every rank. In particular fsdp's bounded number of
+# ReduceScatters in flight (the wait for the oldest one, to free its input) can never wait
+# for a ReduceScatter that another rank would issue only after an AllGather this rank has
+# not issued yet: the order puts that ReduceScatter first on every rank.
+# A prefetch that the order does not allow yet is simply issued later. A unit whose
+# parameters are needed before its turn (`need`: an activation-checkpointed region
+# recomputing several units at once) is gathered at once; the same model does the same on
+# every rank, so the order stays common.
+# What it costs: a model whose forward order differs from registration order gathers
+# some units earlier than needed; a unit that no rank runs is still gathered.
 
 
 class Schedule:

@@ -29,12 +29,12 @@ from torch.optim import Optimizer
 
 from trainer import comm
 from trainer.comm.groups import Mesh
-from trainer.flat import FlatLayout, ScatterInput
-from trainer.materialize import Request
+from trainer.models.materialize import Request
 from trainer.parallel import pieces
-from trainer.parallel.engine import OptimizerFactory, param_groups
+from trainer.parallel.engine import OptimizerFactory
+from trainer.parallel.flat import FlatLayout, ScatterInput
+from trainer.parallel.precision import Precision
 from trainer.parallel.used import UsedFlags
-from trainer.precision import Precision
 
 
 class ShardedBuffer:
@@ -137,7 +137,7 @@ class ShardedBuffer:
 
 def build_optimizer(factory: OptimizerFactory, buffers: Sequence[ShardedBuffer]) -> Optimizer:
     """The optimizer over every piece of `buffers`, one param group per distinct options."""
-    return factory(param_groups(t for b in buffers for t in b.optimizer_tensors()))
+    return factory(pieces.param_groups(t for b in buffers for t in b.optimizer_tensors()))
 
 
 class Reducer:

@@ -1,38 +1,6 @@
-"""How mode=fsdp cuts a model into units, and which unit each parameter belongs to.
-
-[Note: unit policy]
-A unit is a submodule whose parameters are gathered and freed together. Three rules pick
-them, in this order of precedence:
-  1. by class: a submodule whose class name is in `unit_classes` (transformer `Block`,
-     resnet `BasicBlock`, ...) is a unit with its whole subtree; the outermost one wins.
-  2. by repetition (`repeated_children`, on by default): the children of a ModuleList or
-     Sequential that share their class with at least one sibling are units, whatever
-     their size, each with its whole subtree: HF GPT-2's `transformer.h.*`, Llama's
-     `model.layers.*`, timm's `blocks.*`, an MLP's hidden Linears. This is what FSDP2
-     users write by hand (`for layer in model.layers: fully_shard(layer)`), and the
-     layers of a small model would never reach `min_unit_params`. A child qualifies only
-     with parameters and a forward of its own (a nested ModuleList has none: nothing
-     would call the hooks that gather its parameters; it is searched instead), and only
-     if no class named in rule 1 lies inside it: naming a class is how a user picks a
-     finer cut (`unit_classes=[FeedForward]` makes each block's MLP the unit, not the
-     block). The outermost repetition wins: a layer's own Sequentials are not cut again.
-  3. by size: outside those subtrees, a submodule with a forward of its own and no unit
-     inside it that holds at least `min_unit_params` parameters (embeddings, an LM head;
-     with `repeated_children=False` also every large enough layer and, inside a layer
-     that is not a unit, its large Linears).
-The root unit is the model itself and holds every parameter left over, among them those
-of a module that encloses units (HF GPT-2's `transformer`: `wpe` and `ln_f` around the
-blocks). Such a module's parameters are needed before and after the units inside it, in
-forward and again in backward, where its output's gradient comes first: as a unit of its
-own, gathering it there would force the AllGathers of every unit inside it ahead of it
-([Note: one collective order on every rank] in schedule.py), all units full at once. In
-the root they stay gathered through the step, as the root's do.
-
-[Note: tied parameters]
-A parameter reachable from two units (GPT's `lm_head.weight is wte.weight`, or a module
-registered under two parents) cannot live in either alone: the other unit would run with
-it freed. It goes to the innermost unit enclosing both, the root at worst, whose forward
-spans both uses. Units left without parameters are dropped.
+"""How mode=fsdp cuts a model into units, and which unit each parameter belongs to:
+[Note: unit policy] beside `_choose` says which submodules become units, [Note: tied
+parameters] beside `plan_units` where a parameter two units reach goes.
 """
 
 from __future__ import annotations
@@ -50,8 +18,14 @@ DEFAULT_UNIT_CLASSES = ("Block", "BasicBlock", "Bottleneck")
 class UnitPlan:
     name: str  # module path; "" for the root
     module: nn.Module
-    parent: int | None  # index of the enclosing unit in the plan; None for the root
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # (name, param)
+
+
+# [Note: tied parameters]
+# A parameter reachable from two units (GPT's `lm_head.weight is wte.weight`, or a module
+# registered under two parents) cannot live in either alone: the other unit would run with
+# it freed. It goes to the root, the unit enclosing both (units never nest), whose forward
+# spans both uses. Units left without parameters are dropped.
 
 
 def plan_units(
@@ -62,8 +36,8 @@ def plan_units(
 ) -> list[UnitPlan]:
     """The root first, then the other units in module registration (pre-)order."""
     chosen = _choose(model, set(unit_classes), min_unit_params, repeated_children)
-    plan = [UnitPlan("", model, None)]
-    plan += [UnitPlan(n, m, None) for n, m in model.named_modules() if id(m) in chosen and n]
+    plan = [UnitPlan("", model)]
+    plan += [UnitPlan(n, m) for n, m in model.named_modules() if id(m) in chosen and n]
     index = {id(u.module): i for i, u in enumerate(plan)}
 
     # Every unit that reaches each parameter, walking all paths (shared modules included).
@@ -71,8 +45,6 @@ def plan_units(
 
     def walk(module: nn.Module, unit: int) -> None:
         i = index.get(id(module), unit)
-        if i != unit and plan[i].parent is None and i != 0:
-            plan[i].parent = unit
         for p in module._parameters.values():
             if p is not None and i not in reach.setdefault(id(p), []):
                 reach[id(p)].append(i)
@@ -82,19 +54,39 @@ def plan_units(
 
     walk(model, 0)
     for name, p in model.named_parameters():  # deduplicated, registration order
-        owner = reach[id(p)][0]
-        for other in reach[id(p)][1:]:  # [Note: tied parameters]
-            owner = _common_ancestor(plan, owner, other)
-        plan[owner].params.append((name, p))
+        # Reached from two units: the root's ([Note: tied parameters]).
+        units = reach[id(p)]
+        plan[units[0] if len(units) == 1 else 0].params.append((name, p))
+    return [u for i, u in enumerate(plan) if i == 0 or u.params]
 
-    kept = [i for i, u in enumerate(plan) if i == 0 or u.params]
-    new = {old: k for k, old in enumerate(kept)}
-    for i in kept[1:]:
-        parent = plan[i].parent
-        while parent not in new:
-            parent = plan[parent].parent
-        plan[i].parent = new[parent]
-    return [plan[i] for i in kept]
+
+# [Note: unit policy]
+# A unit is a submodule whose parameters are gathered and freed together. Three rules pick
+# them, in this order of precedence:
+#   1. by class: a submodule whose class name is in `unit_classes` (transformer `Block`,
+#      resnet `BasicBlock`, ...) is a unit with its whole subtree; the outermost one wins.
+#   2. by repetition (`repeated_children`, on by default): the children of a ModuleList or
+#      Sequential that share their class with at least one sibling are units, whatever
+#      their size, each with its whole subtree: HF GPT-2's `transformer.h.*`, Llama's
+#      `model.layers.*`, timm's `blocks.*`, an MLP's hidden Linears. This is what FSDP2
+#      users write by hand (`for layer in model.layers: fully_shard(layer)`), and the
+#      layers of a small model would never reach `min_unit_params`. A child qualifies only
+#      with parameters and a forward of its own (a nested ModuleList has none: nothing
+#      would call the hooks that gather its parameters; it is searched instead), and only
+#      if no class named in rule 1 lies inside it: naming a class is how a user picks a
+#      finer cut (`unit_classes=[FeedForward]` makes each block's MLP the unit, not the
+#      block). The outermost repetition wins: a layer's own Sequentials are not cut again.
+#   3. by size: outside those subtrees, a submodule with a forward of its own and no unit
+#      inside it that holds at least `min_unit_params` parameters (embeddings, an LM head;
+#      with `repeated_children=False` also every large enough layer and, inside a layer
+#      that is not a unit, its large Linears).
+# The root unit is the model itself and holds every parameter left over, among them those
+# of a module that encloses units (HF GPT-2's `transformer`: `wpe` and `ln_f` around the
+# blocks). Such a module's parameters are needed before and after the units inside it, in
+# forward and again in backward, where its output's gradient comes first: as a unit of its
+# own, gathering it there would force the AllGathers of every unit inside it ahead of it
+# ([Note: one collective order on every rank] in schedule.py), all units full at once. In
+# the root they stay gathered through the step, as the root's do.
 
 
 def _choose(model: nn.Module, classes: set[str], min_params: int, repeated: bool) -> set[int]:
@@ -195,13 +187,3 @@ def _by_size(model: nn.Module, whole: set[int], min_params: int) -> set[int]:
 
     visit(model, True)
     return found
-
-
-def _common_ancestor(plan: list[UnitPlan], a: int, b: int) -> int:
-    ancestors = set()
-    while a is not None:
-        ancestors.add(a)
-        a = plan[a].parent
-    while b not in ancestors:
-        b = plan[b].parent
-    return b

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from trainer import host
+from trainer.observe import host
 
 
 class UsedFlags:

@@ -27,14 +27,14 @@ from torch import nn
 
 from trainer import comm
 from trainer.comm import groups as comm_groups
-from trainer.flat import bucketize
 from trainer.parallel.buckets import BucketQueue
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, split_by_options
-from trainer.parallel.pieces import ShardGroup
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
+from trainer.parallel.flat import bucketize
+from trainer.parallel.pieces import ShardGroup, split_by_options
+from trainer.parallel.precision import Precision
+from trainer.parallel.scaling import LossScaler
 from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.used import UsedFlags
-from trainer.precision import Precision
-from trainer.scaling import LossScaler
 
 # [Note: bounded buckets]
 # ZeRO-2 that keeps every full bucket until backward ends peaks at a full gradient copy

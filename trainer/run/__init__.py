@@ -6,7 +6,9 @@
 - guard.py: non-finite losses and stop requests, agreed at check steps; fit.py: does
   the model take the data; preempt.py: a clean stop on SIGTERM; rundir.py: one owner
   per run directory; profiling.py: profile=true traces.
+- dist.py: the process group and device from torchrun's environment; optim.py: the optim
+  group's weight-decay groups and learning-rate schedule.
 
-The config it runs (trainer/config.py, trainer/schema.py) is shared with the estimator
-(trainer/estimate/); the engines are trainer/parallel/.
+The config it runs (trainer/config/) is shared with the estimator (trainer/estimate/); the
+engines are trainer/parallel/.
 """

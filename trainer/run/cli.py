@@ -25,8 +25,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import schema  # noqa: F401  (registers the config's types with Hydra)
-from trainer.config import CONF_DIR
+from trainer.config import schema  # noqa: F401  (registers the config's types with Hydra)
+from trainer.config.checks import CONF_DIR
 from trainer.errors import ConfigError, PeerError, TrainingError
 
 GROUPS = ("mode", "model", "data", "optim")
@@ -131,7 +131,7 @@ def _compose(overrides: list[str]) -> DictConfig:
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
         except ConfigCompositionException as e:  # "Could not override 'mode.foo'. ..."
             cause = str(e.__cause__ or "").strip().splitlines()
-            # A wrong type (trainer/schema.py): the override, then OmegaConf's reason.
+            # A wrong type (trainer/config/schema.py): the override, then OmegaConf's reason.
             reason = f": {cause[0]}" if cause and "Error merging" in str(e) else ""
             fail(" ".join(str(e).split()).replace("Error merging override ", "") + reason)
     try:  # an interpolation that cannot resolve (${oc.env:NOPE}) names itself here

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer import comm, host
+from trainer import comm
+from trainer.observe import host
 
 
 class Guard:

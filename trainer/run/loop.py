@@ -15,27 +15,27 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from trainer import checkpoint, comm
-from trainer import dist as tdist
-from trainer.build import data_dir, model_and_data
-from trainer.compile import compile_layers
-from trainer.config import engine_options, validate
-from trainer.data import make_eval_loader, make_loader
+from trainer.config.checks import engine_options, validate
+from trainer.data.datasets import make_eval_loader, make_loader
+from trainer.data.text import codec_from_meta
+from trainer.data.tokens import read_meta
 from trainer.errors import TrainingError
-from trainer.lm import generate, positions, save_model_files
-from trainer.materialize import SeededInit, empty_weights
-from trainer.memory import MemoryMonitor, count_params
-from trainer.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
-from trainer.models import accuracy, loss_fn
-from trainer.optim import lr_scheduler, optimizer_factory, param_options
+from trainer.models.build import data_dir, model_and_data
+from trainer.models.builtin import accuracy, loss_fn
+from trainer.models.compile import compile_layers
+from trainer.models.lm import generate, positions, save_model_files
+from trainer.models.materialize import SeededInit, empty_weights
+from trainer.models.weights import Pretrained
+from trainer.observe.memory import MemoryMonitor, count_params
+from trainer.observe.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.parallel import build_engine
 from trainer.parallel.engine import Engine
+from trainer.run import dist as tdist
 from trainer.run import preempt, rundir
 from trainer.run.fit import check_fit
 from trainer.run.guard import Guard
+from trainer.run.optim import lr_scheduler, optimizer_factory, param_options
 from trainer.run.profiling import maybe_profile
-from trainer.text import codec_from_meta
-from trainer.tokens import read_meta
-from trainer.weights import Pretrained
 
 
 def shared_run_dir(env: tdist.DistEnv) -> Path:

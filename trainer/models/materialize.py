@@ -7,7 +7,7 @@ its mode keeps and asks a `Source` for the values of those elements:
     source.fill(root, modules, requests, device)
 
 `SeededInit(seed)` runs each module's own initialisation ([Note: initialising by module]);
-`Pretrained(directory)` reads a saved model's values slice by slice (trainer/weights.py).
+`Pretrained(directory)` reads a saved model's values slice by slice (trainer/models/weights.py).
 `materialize(root, source, device)` is the whole-model case (ddp, zero): afterwards the
 model is an ordinary one on `device`.
 
@@ -111,7 +111,7 @@ def has_meta(root: nn.Module) -> bool:
     if on_meta and real:
         raise ConfigError(
             f"the model has parameters on the meta device ({on_meta}) and others that are "
-            f"not ({real}): build all of it under trainer.materialize.empty_weights(), or "
+            f"not ({real}): build all of it under trainer.models.materialize.empty_weights(), or "
             "none of it"
         )
     return on_meta is not None
@@ -332,7 +332,7 @@ class SeededInit(Source):
                 raise ConfigError(
                     f"buffer {qualified(name, b)} of module {name or '(root)'} "
                     f"({type(module).__name__}) is on the meta device and its init does not "
-                    "restore it: build the model under trainer.materialize.empty_weights(), "
+                    "restore it: build the model under trainer.models.materialize.empty_weights(), "
                     "which keeps buffers real"
                 )
             if now.device != device:
@@ -394,7 +394,7 @@ def _seed(device: torch.device, seed: int) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Helpers shared with trainer/weights.py
+# Helpers shared with trainer/models/weights.py
 
 
 def param_owners(root: nn.Module) -> dict[int, tuple[str, str]]:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.materialize import building_on_meta
-from trainer.models import GPT, GPT_TYPE
+from trainer.models.builtin import GPT, GPT_TYPE
+from trainer.models.materialize import building_on_meta
 
 WEIGHTS = (
     "model.safetensors",

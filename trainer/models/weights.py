@@ -2,7 +2,7 @@
 
 `WeightFiles(directory)` opens a safetensors checkpoint: `model.safetensors`, or the
 shards that `model.safetensors.index.json` maps keys to (what `save_pretrained` and
-scripts/export_hf.py write). `Pretrained(directory)` is the `Source` (trainer/materialize.py)
+scripts/export_hf.py write). `Pretrained(directory)` is the `Source` (trainer/models/materialize.py)
 that fills a model built on the meta device from them, checking first that the files'
 keys and shapes are the model's.
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer.errors import ConfigError
-from trainer.materialize import Request, Source, check_requests, param_owners, qualified
+from trainer.models.materialize import Request, Source, check_requests, param_owners, qualified
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -193,8 +193,8 @@ class Pretrained(Source):
                     if t.is_meta:
                         raise ConfigError(
                             f"buffer {name} is on the meta device and is not saved "
-                            "(non-persistent), so no weights file has it: build the model "
-                            "under trainer.materialize.empty_weights(), which keeps buffers real"
+                            "(non-persistent), so no weights file has it: build the model under "
+                            "trainer.models.materialize.empty_weights(), which keeps buffers real"
                         )
                     continue
                 key = plan[name]
@@ -215,7 +215,7 @@ class Pretrained(Source):
     def _prefix(self, root: nn.Module) -> str:
         if self.prefix is not None:
             return self.prefix
-        from trainer.lm import CausalLM
+        from trainer.models.lm import CausalLM
 
         return "hf." if isinstance(root, CausalLM) else ""
 

@@ -6,53 +6,8 @@ formulas of the mode predict.
     monitor = MemoryMonitor(engine, psi)     # measures after every optimizer step
     figures = monitor.gather()        # every rank calls it: one Gather to rank 0
 
-[Note: what is measured, and when]
-`measure()` adds up the live storages behind `engine.state_tensors()`, by kind (params,
-master, grads, optimizer, comm). A storage is counted once, by its `nbytes`, in the first
-kind that reaches it (in that order): ddp's per-parameter `.grad`
-views into one bucket count as that bucket; a freed fsdp buffer (storage resized to 0)
-counts as nothing. The monitor measures from an optimizer step post-hook, the moment
-when parameters, gradients and optimizer state all exist (fsdp drops its gradient
-shards right after the step), and keeps the per-kind maximum over the logging interval.
-Transient buffers that live only inside forward/backward (fsdp's gathered units) are
-not in that snapshot; the peak is: the high point of one training step per logging
-interval, the first after each log point, from its first forward to the end of its
-optimizer step. On CPU (`peak_step`) the storages alive at its start plus the C heap's
-growth during it ([Note: the CPU step peak] in trainer/heap.py); on GPU
-(`peak_cuda_allocated`) the CUDA allocator's peak, reset when that step starts
-(`torch.cuda.reset_peak_memory_stats`) and read when it ends (`CudaStepPeak`): without
-the reset it would be the peak since the process started (the broadcast at engine
-construction, the whole model before fsdp shards it), and never fall. Both are host-side
-allocator figures, read without a device sync. Not the process's resident set, which is
-about 1 GB of torch libraries in every mode. (`peak_bytes()` below reads that, and the
-CUDA peak since the start.)
-
-[Note: the expected figures]
-Per rank, for Ψ parameters computing in b bytes (4 fp32, 2 bf16/fp16), gradients reduced
-in r bytes, and an optimizer keeping k bytes per parameter (read from its state after
-the first step: AdamW fp32 k=8, SGD with momentum k=4). With b = r = 4 (fp32):
-
-    ddp   params Ψb     grads Ψb     optimizer Ψk       (fp32 AdamW: 16Ψ)
-    zero  params Ψb     grads Ψb/P   optimizer Ψk/P     (4Ψ + 12Ψ/P)
-    fsdp  params Ψb/P   grads Ψb/P   optimizer Ψk/P     (16Ψ/P), plus while a step runs
-          the full params and grads of the root unit and of two units in flight
-
-Mixed precision (b = 2) adds fp32 masters, 4Ψ in ddp and 4Ψ/P in zero; fsdp's sharded
-params are its fp32 masters (4Ψ/P) and its b-byte full params exist only while a unit
-runs. Gradients after the step are fp32 next to the masters: 4Ψ/P in zero and fsdp; ddp
-keeps its r-byte buckets, plus fp32 copies for the masters when r is not 4.
-(bf16 AdamW, r = 4: ddp 2Ψ + 4Ψ + 4Ψ + 8Ψ, zero 2Ψ + 16Ψ/P, fsdp 16Ψ/P.)
-
-Traffic per rank per step, ring algorithms: ddp 2(P-1)/P·Ψr (AllReduce), zero
-(P-1)/P·Ψr + (P-1)/P·Ψb (ReduceScatter, AllGather), fsdp (P-1)/P·(Ψr + 2Ψb) (AllGather
-twice, ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
-multiple of P, so their measured figures can be a few elements above.
-
-Hybrid sharding ([Note: hybrid sharding] in comm/groups.py): the sharded kinds are split
-over the S ranks of a shard group instead of P (fsdp with fp32 AdamW: 16Ψ/S), the
-mode's collectives run inside the group (P -> S above), and each rank sends its slice
-of the gradients across the R = P/S replicas: 2(R-1)/R · Ψr/S, logged apart as
-`comm/bytes_per_step/across_groups`.
+How it measures: [Note: what is measured, and when], beside `measure`; what it expects:
+[Note: the expected figures], beside `expected`.
 """
 
 from __future__ import annotations
@@ -63,7 +18,8 @@ from typing import Any
 
 import torch
 
-from trainer import comm, heap
+from trainer import comm
+from trainer.observe import heap
 
 KINDS = ("params", "master", "grads", "optimizer", "comm")
 # Order of the packed tensor gathered to rank 0 (one Gather per logging interval).
@@ -72,6 +28,28 @@ FIELDS = (*KINDS, "model_state", "peak")
 
 # ---------------------------------------------------------------------------------------
 # Measured
+
+
+# [Note: what is measured, and when]
+# `measure()` adds up the live storages behind `engine.state_tensors()`, by kind (params,
+# master, grads, optimizer, comm). A storage is counted once, by its `nbytes`, in the first
+# kind that reaches it (in that order): ddp's per-parameter `.grad`
+# views into one bucket count as that bucket; a freed fsdp buffer (storage resized to 0)
+# counts as nothing. The monitor measures from an optimizer step post-hook, the moment
+# when parameters, gradients and optimizer state all exist (fsdp drops its gradient
+# shards right after the step), and keeps the per-kind maximum over the logging interval.
+# Transient buffers that live only inside forward/backward (fsdp's gathered units) are
+# not in that snapshot; the peak is: the high point of one training step per logging
+# interval, the first after each log point, from its first forward to the end of its
+# optimizer step. On CPU (`peak_step`) the storages alive at its start plus the C heap's
+# growth during it ([Note: the CPU step peak] in trainer/observe/heap.py); on GPU
+# (`peak_cuda_allocated`) the CUDA allocator's peak, reset when that step starts
+# (`torch.cuda.reset_peak_memory_stats`) and read when it ends (`CudaStepPeak`): without
+# the reset it would be the peak since the process started (the broadcast at engine
+# construction, the whole model before fsdp shards it), and never fall. Both are host-side
+# allocator figures, read without a device sync. Not the process's resident set, which is
+# about 1 GB of torch libraries in every mode. (`peak_bytes()` below reads that, and the
+# CUDA peak since the start.)
 
 
 def measure(engine: Any) -> dict[str, int]:
@@ -173,6 +151,34 @@ def bytes_per_element(
         "grads": grads,
         "optimizer": optimizer_state_per_param_bytes,
     }
+
+
+# [Note: the expected figures]
+# Per rank, for Ψ parameters computing in b bytes (4 fp32, 2 bf16/fp16), gradients reduced
+# in r bytes, and an optimizer keeping k bytes per parameter (read from its state after
+# the first step: AdamW fp32 k=8, SGD with momentum k=4). With b = r = 4 (fp32):
+#
+#     ddp   params Ψb     grads Ψb     optimizer Ψk       (fp32 AdamW: 16Ψ)
+#     zero  params Ψb     grads Ψb/P   optimizer Ψk/P     (4Ψ + 12Ψ/P)
+#     fsdp  params Ψb/P   grads Ψb/P   optimizer Ψk/P     (16Ψ/P), plus while a step runs
+#           the full params and grads of the root unit and of two units in flight
+#
+# Mixed precision (b = 2) adds fp32 masters, 4Ψ in ddp and 4Ψ/P in zero; fsdp's sharded
+# params are its fp32 masters (4Ψ/P) and its b-byte full params exist only while a unit
+# runs. Gradients after the step are fp32 next to the masters: 4Ψ/P in zero and fsdp; ddp
+# keeps its r-byte buckets, plus fp32 copies for the masters when r is not 4.
+# (bf16 AdamW, r = 4: ddp 2Ψ + 4Ψ + 4Ψ + 8Ψ, zero 2Ψ + 16Ψ/P, fsdp 16Ψ/P.)
+#
+# Traffic per rank per step, ring algorithms: ddp 2(P-1)/P·Ψr (AllReduce), zero
+# (P-1)/P·Ψr + (P-1)/P·Ψb (ReduceScatter, AllGather), fsdp (P-1)/P·(Ψr + 2Ψb) (AllGather
+# twice, ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
+# multiple of P, so their measured figures can be a few elements above.
+#
+# Hybrid sharding ([Note: hybrid sharding] in comm/groups.py): the sharded kinds are split
+# over the S ranks of a shard group instead of P (fsdp with fp32 AdamW: 16Ψ/S), the
+# mode's collectives run inside the group (P -> S above), and each rank sends its slice
+# of the gradients across the R = P/S replicas: 2(R-1)/R · Ψr/S, logged apart as
+# `comm/bytes_per_step/across_groups`.
 
 
 def expected(

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainer.errors import ConfigError
-from trainer.lm import positions
+from trainer.models.lm import positions
 
 
 def model_and_data(

@@ -1,13 +1,13 @@
 """Types of the config, registered with Hydra's ConfigStore: a value of the wrong type
 (`seed=abc`, `train.steps=1.5`, `mode.bucket_mb=abc`, `mode.reshard_after_forward=maybe`)
 is refused for every key at once when the config is composed, and a key no choice has
-(`mode.foo=1`) too. Ranges and rules across keys stay in trainer/config.py.
+(`mode.foo=1`) too. Ranges and rules across keys stay in trainer/config/checks.py.
 
 - The top level (`schema`) is what conf/config.yaml extends.
 - mode/ and optim/: one dataclass per choice, stored in the group as `<choice>_schema`;
   each conf/<group>/<choice>.yaml names its own in its defaults list. An optim choice
   holds its optimizer's arguments and the trainer's own options that conf/config.yaml
-  merges into every choice (trainer/optim.py, TRAINER_KEYS); an argument left null is
+  merges into every choice (trainer/run/optim.py, TRAINER_KEYS); an argument left null is
   not passed.
 - model/ and data/ stay untyped: each choice's keys are the arguments of its own
   `_target_` (a model class, a dataset function), so a schema would repeat every

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.errors import ConfigError
 
-GPT_TYPE = "shardtrain_gpt"  # config.json's model_type of our GPT (trainer/lm.py reads it)
+GPT_TYPE = "shardtrain_gpt"  # config.json's model_type of our GPT (trainer/models/lm.py reads it)
 
 # --------------------------------------------------------------------------------------
 # Activation checkpointing
@@ -59,7 +59,7 @@ def _restored(buffers: list[Tensor]) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------
-# MLP: the default model, paired with trainer.data.synthetic_classification.
+# MLP: the default model, paired with trainer.data.datasets.synthetic_classification.
 
 
 class MLP(nn.Module):
@@ -148,7 +148,7 @@ class SmallCNN(nn.Module):
 
 
 # --------------------------------------------------------------------------------------
-# GPT: a small nanoGPT-style decoder, paired with trainer.data.synthetic_tokens.
+# GPT: a small nanoGPT-style decoder, paired with trainer.data.datasets.synthetic_tokens.
 
 
 class CausalSelfAttention(nn.Module):
@@ -242,12 +242,12 @@ class GPT(nn.Module):
             self._scale_residual(module)
 
     def model_config(self) -> dict:
-        """What trainer.lm.build_from_config rebuilds this model from (config.json)."""
+        """What trainer.models.lm.build_from_config rebuilds this model from (config.json)."""
         return {"model_type": GPT_TYPE, **self._sizes}
 
     def init_module(self, module: nn.Module) -> None:
         """Initialise the parameters `module` (one of this model's) owns itself, as the
-        constructor does: trainer.materialize.SeededInit calls it module by module."""
+        constructor does: trainer.models.materialize.SeededInit calls it module by module."""
         if isinstance(module, nn.LayerNorm):
             module.reset_parameters()  # ones and zeros, as its constructor left them
         self._init_weights(module)
@@ -292,7 +292,7 @@ def resnet18(num_classes: int = 10, activation_checkpointing: bool = False) -> n
 
     With activation checkpointing each residual block of layer1..layer4 is checkpointed;
     the state_dict keys stay torchvision's."""
-    import torchvision  # here, not at the top: it imports torch._dynamo (trainer/data.py)
+    import torchvision  # here, not at the top: it imports torch._dynamo (trainer/data/datasets.py)
 
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if activation_checkpointing:

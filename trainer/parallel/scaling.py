@@ -1,8 +1,8 @@
 """fp16's dynamic loss scaling, decided on the device: the scale and its counters
 (`LossScaler`), and the optimizers that skip an overflowed step by themselves
-(`fused_for_scaling`, `can_skip_on_device`, `skipping_if`). [Note: dynamic loss
-scaling], below, says how; Engine.step (parallel/engine.py) runs it; the dtypes are
-precision.py's.
+(`fused_for_scaling`, `can_skip_on_device`, `skipping_if`), and the fp16 step itself
+(`LossScaler.unscale_agreed`, `LossScaler.step`), which Engine.step (engine.py) hands
+over to. [Note: dynamic loss scaling], below, says how; the dtypes are precision.py's.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _get_fused_kernels_supported_devices  # torch's own list
 
-from trainer import host
+from trainer import comm
 from trainer.errors import ConfigError
+from trainer.observe import host
 
 # [Note: dynamic loss scaling]
 # fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero. Multiplying the loss by a
@@ -86,6 +87,9 @@ class LossScaler:
         self.scale = torch.full((), float(init_scale) if enabled else 1.0, device=device)
         self.good_steps = torch.zeros((), dtype=torch.int32, device=device)  # in a row
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # in total
+        # The ranks' agreed found-inf flag, 0-d on the device, once the gradients of the
+        # current backward are unscaled; None until then (the engine resets it).
+        self.found_inf: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> LossScaler:
         """Move the scale and counters to the device the gradients live on."""
@@ -107,6 +111,45 @@ class LossScaler:
             inv = self.scale.double().reciprocal().float()
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         return found
+
+    @torch.no_grad()
+    def unscale_agreed(self, grads: Callable[[], list[torch.Tensor]]) -> torch.Tensor | None:
+        """Divide the gradients `grads()` returns by the scale (once per step) and return
+        whether any rank holds an inf/NaN among them: a 0-d fp32 flag on the device, 1.0
+        or 0.0. Without loss scaling: nothing to do, None."""
+        if not self.enabled:
+            return None
+        if self.found_inf is None:
+            found = self.unscale_(grads())  # (1,)
+            if comm.world_size() > 1:  # ranks must agree, else their collectives diverge
+                comm.all_reduce(found, tag="found_inf", account=False).wait()
+                found.clamp_(max=1.0)  # a count of ranks; fused kernels skip on exactly 1
+            self.found_inf = found.reshape(())
+        return self.found_inf
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        step: Callable[[], None],
+        zero_grad: Callable[[], None],
+    ) -> bool | torch.Tensor:
+        """fp16's step, after `unscale_agreed`: `step()` (the mode's) where no rank
+        overflowed, `zero_grad()` otherwise; then the scale updated. Returns the device
+        flag "stepped", or a bool where the host decided ([Note: dynamic loss scaling])."""
+        found_inf = self.found_inf
+        if can_skip_on_device(optimizer):
+            with skipping_if(optimizer, found_inf):
+                step()  # the optimizer updates nothing where found_inf is 1
+            stepped = found_inf == 0
+        else:  # the fallback of the note: the host decides, one read per step
+            stepped = host.item(found_inf, "fp16 found_inf") == 0
+            if stepped:
+                step()
+            else:
+                zero_grad()
+        self.update(found_inf)
+        self.found_inf = None
+        return stepped
 
     def update(self, found_inf: torch.Tensor) -> None:
         """After each step, with the agreed 0-d flag: back off on overflow, grow after a

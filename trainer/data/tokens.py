@@ -38,12 +38,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from trainer.data.text import read_tokenizer_file
 from trainer.errors import ConfigError
 
 LLMC_MAGIC = {20240520: np.uint16, 20240801: np.uint32}  # llm.c's header magic -> token dtype
 LLMC_HEADER = 256  # int32 values before the tokens
 FORMATS = ("auto", "raw", "llmc", "npy")
 DTYPES = ("uint16", "uint32")
+TOKENIZERS = ("char", "bytes", "hf")  # what scripts/prepare_text.py writes
 
 
 def open_tokens(path: Path, fmt: str = "auto", dtype: str | None = None) -> np.ndarray:
@@ -104,18 +106,74 @@ def _raw(path: Path, dtype: str) -> np.ndarray:
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
-    """`meta.json` (ours) or nanoGPT's `meta.pkl` in `directory`, else {}."""
+    """`meta.json` (ours) or nanoGPT's `meta.pkl` in `directory`, else {}. The fields read
+    from it (vocab_size, dtype, tokenizer, chars) are checked here: a wrong one is one line
+    naming the file, never a number taken silently."""
     directory = Path(directory)
     if (directory / "meta.json").is_file():
-        return json.loads((directory / "meta.json").read_text())
-    if (directory / "meta.pkl").is_file():
-        with open(directory / "meta.pkl", "rb") as f:
+        path = directory / "meta.json"
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if isinstance(e, json.JSONDecodeError):
+                why = f"{e.msg} at line {e.lineno} column {e.colno}"
+            else:
+                why = f"not UTF-8 at byte {e.start}"
+            raise ConfigError(
+                f"{path} is not JSON ({why}); it should be "
+                "an object as scripts/prepare_text.py writes it, e.g. "
+                '{"vocab_size": 65, "dtype": "uint16"}, or be removed'
+            ) from None
+    elif (directory / "meta.pkl").is_file():
+        path = directory / "meta.pkl"
+        with open(path, "rb") as f:
             try:
                 meta = _PlainUnpickler(f).load()
             except pickle.UnpicklingError as e:
-                raise ConfigError(f"{directory / 'meta.pkl'}: {e}") from None
-        return meta if isinstance(meta, dict) else {}
-    return {}
+                raise ConfigError(f"{path}: {e}") from None
+            except (EOFError, ValueError, IndexError, TypeError, AttributeError) as e:
+                raise ConfigError(f"{path} is not a readable pickle ({e}); remove it") from None
+        if not isinstance(meta, dict):
+            return {}
+    else:
+        return {}
+    check_meta(meta, path)
+    return meta
+
+
+def check_meta(meta: Any, path: Path) -> None:
+    """The fields of a meta file that reading depends on have the types and values the
+    reader can use; other keys are left alone."""
+    if not isinstance(meta, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(meta).__name__}, not an object; it should be an object "
+            'as scripts/prepare_text.py writes it, e.g. {"vocab_size": 65, "dtype": "uint16"}'
+        )
+    vocab, dtype = meta.get("vocab_size"), meta.get("dtype")
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+        raise ConfigError(f"{path}: vocab_size {vocab!r} must be a whole number >= 1")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"{path}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if vocab is not None and vocab > 1 << 16 and (dtype or "uint16") == "uint16":
+        raise ConfigError(
+            f"{path}: vocab_size {vocab} does not fit dtype uint16 (ids up to 65535"
+            f'{"" if dtype else ", the default"}); the token files need "dtype": "uint32"'
+        )
+    kind = meta.get("tokenizer")
+    if kind is not None and kind not in TOKENIZERS:
+        raise ConfigError(f"{path}: tokenizer {kind!r} is not one of {', '.join(TOKENIZERS)}")
+    if kind == "char":
+        chars = meta.get("chars")
+        if not isinstance(chars, str) or not chars:
+            raise ConfigError(
+                f'{path}: tokenizer "char" needs "chars", the characters of the '
+                "vocabulary in id order as one string"
+            )
+        if len(set(chars)) != len(chars) or list(chars) != sorted(chars):
+            raise ConfigError(
+                f"{path}: chars must be distinct characters in sorted order (id i is the "
+                "i-th), as scripts/prepare_text.py writes them"
+            )
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -137,7 +195,7 @@ class TokenData(Dataset):
 
     `dir`: a directory with train.bin / val.bin (and meta.json or meta.pkl); or `path`: a
     file or a glob of shards for training and `val_path` for evaluation. `block_size`
-    None: the model's, set by the trainer (trainer/build.py) before the first item.
+    None: the model's, set by the trainer (trainer/models/build.py) before the first item.
     """
 
     def __init__(
@@ -156,6 +214,10 @@ class TokenData(Dataset):
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
             raise ConfigError(f"data.block_size={block_size!r} must be a whole number >= 1")
         files, self.meta = _files(dir, path, val_path, train)
+        tokenizer_file = files[0].parent / "tokenizer.json"
+        if train and self.meta.get("tokenizer") == "hf" and tokenizer_file.is_file():
+            # The run's samples decode with it (rank 0): every rank refuses a broken one here.
+            read_tokenizer_file(tokenizer_file)
         meta_dtype = self.meta.get("dtype")
         if dtype is not None and meta_dtype is not None and dtype != meta_dtype:
             raise ConfigError(

@@ -262,7 +262,7 @@ def make_loader(
     num_workers: int = 0,
 ) -> DataLoader:
     """An endless DataLoader of this rank's batches; its sampler is `loader.batch_sampler`:
-    the dataset's own where it has one (token files: trainer/tokens.py), else a
+    the dataset's own where it has one (token files: trainer/data/tokens.py), else a
     GlobalBatchSampler over its samples."""
     if hasattr(dataset, "batch_sampler"):
         sampler = dataset.batch_sampler(global_batch, rank, world_size, seed)

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from trainer import comm, host
-from trainer.memory import MemoryMonitor, bandwidth
-from trainer.models import accuracy, loss_fn
-from trainer.tb_layout import run_layout
+from trainer import comm
+from trainer.models.builtin import accuracy, loss_fn
+from trainer.observe import host
+from trainer.observe.memory import MemoryMonitor, bandwidth
+from trainer.observe.tb_layout import run_layout
 
 # Order of the packed tensor reduced to rank 0 (one collective per logging interval).
 FIELDS = (
@@ -37,7 +38,7 @@ FIELDS = (
 
 # [Note: timing steps]
 # A steady step only queues work on a GPU: nothing in it waits for the device (see
-# trainer/host.py), so host time around one step is the time to queue it, not to run it.
+# trainer/observe/host.py), so host time around one step is the time to queue it, not to run it.
 # The step clock times a logging interval instead, between two points where the device
 # has caught up: `start_step()` synchronises it when the interval's first step begins
 # (after the previous log point's metrics, eval and checkpoint, left out of the figure)
@@ -243,9 +244,11 @@ def evaluate(
 # of the matmuls. fp32 is the plain fp32 peak (TF32 tensor cores are off by default in
 # torch). A key is a whole model name inside torch.cuda.get_device_name(): bounded by
 # neither a letter nor a digit on either side, the longest key first, so "NVIDIA L40S"
-# is an L40S and not an L4 (see `device_key`).
+# is an L40S and not an L4, and "NVIDIA H100 NVL" an H100 NVL, not an H100 SXM (see
+# `device_key`).
 PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
     "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12},
+    "H100 NVL": {torch.bfloat16: 835e12, torch.float16: 835e12, torch.float32: 60e12},
     "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
@@ -277,7 +280,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 class Rank0Writer:
     """TensorBoard and a final JSON summary, written by rank 0 only. With the first
-    scalars comes a Custom Scalars layout (trainer/tb_layout.py): loss and accuracy
+    scalars comes a Custom Scalars layout (trainer/observe/tb_layout.py): loss and accuracy
     first, then memory, then communication, in every run."""
 
     def __init__(self, run_dir: Path, enabled: bool):

@@ -8,14 +8,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import schema  # noqa: F401  (registers the types conf/config.yaml names)
+from trainer.config import schema  # noqa: F401  (registers the types conf/config.yaml names)
 from trainer.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # what train.py composes
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # what train.py composes
 
 
 def _show(value: Any) -> str:
-    """A value as the user probably typed it: a float key (trainer/schema.py) turns
+    """A value as the user probably typed it: a float key (trainer/config/schema.py) turns
     `optim.lr=-1` into -1.0, shown as -1."""
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         return str(int(value))
@@ -86,7 +86,7 @@ def _whole(name: str, value: Any, minimum: int) -> None:
 
 
 def _validate_optim(optim: DictConfig) -> None:
-    from trainer.optim import SCHEDULES
+    from trainer.run.optim import SCHEDULES
 
     clip = optim.get("clip_grad_norm") or 0
     if not isinstance(clip, int | float) or isinstance(clip, bool) or clip < 0:
@@ -100,8 +100,8 @@ def _validate_optim(optim: DictConfig) -> None:
 
 
 def _validate_precision(cfg: DictConfig) -> None:
-    from trainer.precision import Precision
-    from trainer.scaling import LossScaler
+    from trainer.parallel.precision import Precision
+    from trainer.parallel.scaling import LossScaler
 
     Precision.of(cfg.get("precision", "fp32"), cfg.mode.get("reduce_dtype", "fp32"))
     options = OmegaConf.to_container(cfg.get("loss_scale") or {})

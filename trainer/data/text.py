@@ -10,6 +10,7 @@ from what it wrote (`meta.json`, `tokenizer.json`) or what nanoGPT wrote (`meta.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,10 @@ class Chars(Codec):
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+        # An id past the characters (a model with a padded vocabulary) shows as U+FFFD,
+        # as an invalid byte does for Bytes.
+        n = self.vocab_size
+        return "".join(self.chars[i] if 0 <= i < n else "\ufffd" for i in ids)
 
     def meta(self) -> dict[str, Any]:
         return {"tokenizer": self.kind, "chars": self.chars}
@@ -91,15 +95,17 @@ def hf_tokenizer(directory: str | Path) -> HF:
     only vocab files) the fast tokenizer transformers builds from them. Nothing is
     downloaded."""
     path = Path(directory).expanduser()
+    if path.is_file():
+        raise ConfigError(
+            f"tokenizer {directory} is a file; give the directory that holds its tokenizer.json"
+        )
     if not path.is_dir():
         raise ConfigError(
             f"tokenizer {directory} is not char, bytes or a local directory (nothing is "
             "downloaded: save the tokenizer with save_pretrained and give its directory)"
         )
-    from tokenizers import Tokenizer
-
     if (path / "tokenizer.json").is_file():
-        return HF(Tokenizer.from_file(str(path / "tokenizer.json")))
+        return HF(read_tokenizer_file(path / "tokenizer.json"))
     try:
         from transformers import AutoTokenizer
 
@@ -112,6 +118,37 @@ def hf_tokenizer(directory: str | Path) -> HF:
         ) from None
 
 
+def read_tokenizer_file(path: Path) -> Any:
+    """A `tokenizers.Tokenizer` from a tokenizer.json, or one line saying why not."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception with serde's message
+        raise ConfigError(
+            f"{path} is not a tokenizer the tokenizers library can read ({str(e).strip()}); "
+            "write it with tokenizer.save_pretrained(DIR) or Tokenizer.save(PATH)"
+        ) from None
+
+
+def eos_token(directory: str | Path, tokenizer: Any) -> str | None:
+    """The end-of-text token a Hugging Face tokenizer directory names: `eos_token` of its
+    tokenizer_config.json or special_tokens_map.json, if the tokenizer knows it."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = Path(directory).expanduser() / name
+        if not file.is_file():
+            continue
+        try:
+            eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ConfigError(f"{file} is not a JSON object ({e})") from None
+        if isinstance(eos, dict):  # an AddedToken written out: {"content": "</s>", ...}
+            eos = eos.get("content")
+        if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
+            return eos
+    return None
+
+
 def codec_from_meta(meta: dict[str, Any], directory: Path) -> Codec | None:
     """The codec that wrote a token directory, from its meta.json or nanoGPT's meta.pkl;
     None when it cannot be told (token ids are then shown as numbers)."""
@@ -121,9 +158,7 @@ def codec_from_meta(meta: dict[str, Any], directory: Path) -> Codec | None:
     if kind == "char":
         return Chars(meta["chars"])
     if kind == "hf" and (Path(directory) / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        return HF(Tokenizer.from_file(str(Path(directory) / "tokenizer.json")))
+        return HF(read_tokenizer_file(Path(directory) / "tokenizer.json"))
     itos = meta.get("itos")  # nanoGPT's shakespeare_char: {id: character}
     if isinstance(itos, dict) and all(isinstance(v, str) for v in itos.values()):
         return Chars("".join(itos[i] for i in sorted(itos)))

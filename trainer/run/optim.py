@@ -7,7 +7,7 @@ arguments: weight-decay groups, the learning-rate schedule and gradient clipping
                              on_device=engine.skips_on_device)
     scheduler.step(engine.step())                            # counts the steps taken
 
-Clipping itself is `engine.clip_grad_norm_` (trainer/parallel/engine.py): only the
+Clipping itself is `engine.clip_grad_norm_` (trainer/parallel/clipping.py): only the
 engine knows where its gradients live.
 """
 
@@ -22,8 +22,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from trainer import host
 from trainer.errors import ConfigError
+from trainer.observe import host
 from trainer.parallel.engine import OptimizerFactory, ParamGroupFn
 
 # Keys of the optim group read by the trainer; everything else goes to the optimizer.
@@ -33,7 +33,7 @@ SCHEDULES = ("constant", "cosine")
 
 def optimizer_factory(optim: DictConfig) -> OptimizerFactory:
     """The optimizer partial from `optim`, the trainer's own keys removed, and the
-    arguments left null (trainer/schema.py's `foreach`, `fused`): torch's own default
+    arguments left null (trainer/config/schema.py's `foreach`, `fused`): torch's own default
     then, and fp16 free to build the optimizer fused (scaling.fused_for_scaling).
     conf/optim/adamw.yaml sets `fused: true`."""
     kwargs = OmegaConf.to_container(optim, resolve=True)

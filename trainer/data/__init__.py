@@ -1,0 +1,7 @@
+"""What a run trains on, and the per-rank batches it is cut into.
+
+- datasets.py: synthetic data, MNIST, CIFAR-10, and `GlobalBatchSampler` / `make_loader`, which
+  give each rank its disjoint part of a global batch. Start here.
+- tokens.py: token files read through `np.memmap`, cut into training windows (`data=token_file`).
+- text.py: text <-> token ids for the tokenizers `scripts/prepare_text.py` knows.
+"""
