@@ -5,16 +5,21 @@ size; no process group and no model are needed.
     python scripts/consolidate.py runs/<run>/checkpoints model.pt     # the newest one
 
 The output loads with plain `torch.load(path, weights_only=True)` into the model:
-`model.load_state_dict(torch.load("model.pt", weights_only=True))`. The model to build is
-the one the run directory's newest run used (its .hydra/config.yaml): a checkpoint of
-another model (say, an older run's in the same directory) is refused, naming the
-difference, unless --any-model is given.
+`model.load_state_dict(torch.load("model.pt", weights_only=True))`. The checkpoint is
+read range by range, without its optimizer state; writing a torch file holds the model
+once (4Ψ in fp32: torch.save needs the whole dict). An output named `*.safetensors` is
+written one tensor at a time instead (every state_dict key, tied weights under each of
+their names; `safetensors.torch.load_file` reads it), in the memory of the largest
+tensor. The model to build is the one the run directory's newest run used (its
+.hydra/config.yaml): a checkpoint of another model (say, an older run's in the same
+directory) is refused, naming the difference, unless --any-model is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,6 +29,8 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import checkpoint  # noqa: E402
+from trainer.checkpoint.export import write_model  # noqa: E402
+from trainer.checkpoint.recutting import model_entries  # noqa: E402
 from trainer.errors import ConfigError, TrainingError  # noqa: E402
 
 # Model options that do not change the parameters.
@@ -72,7 +79,9 @@ def _model(node) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="a step_* directory, or ckpt.dir")
-    parser.add_argument("out", type=Path, help="where to write the state_dict (.pt)")
+    parser.add_argument(
+        "out", type=Path, help="where to write the state_dict (.pt, or .safetensors)"
+    )
     parser.add_argument(
         "--any-model",
         action="store_true",
@@ -90,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.any_model:
             check_model(path)
-        state = checkpoint.consolidate(path)
+        safetensors = args.out.suffix == ".safetensors"
+        entries = model_entries(path)
+        state = {} if safetensors else checkpoint.consolidate(path)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -98,15 +109,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.out.parent.exists() and not args.out.parent.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.write_file(args.out, state)  # never a half-written file under the final name
+        if safetensors:  # [Note: streamed export]: every key, one tensor at a time
+            write_model(path, args.out.parent, lambda k: k, list, stem=args.out.stem)
+        else:
+            checkpoint.write_file(args.out, state)  # never a half-written file under the final name
     except OSError as e:
         print(f"error: cannot write {args.out}: {e.strerror}", file=sys.stderr)
         return 2
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    numel = sum(t.numel() for t in state.values())
-    print(f"{path} -> {args.out}: {len(state)} tensors, {numel} elements")
+    numel = sum(math.prod(shape) for _, _, _, shape in entries)
+    print(f"{path} -> {args.out}: {len(entries)} tensors, {numel} elements")
     return 0
 
 

@@ -111,7 +111,7 @@ def test_stop_and_resume_is_bitwise_equal(saved, mode):
     # keep=2: the older checkpoint went once the newer two were complete.
     assert sorted(p.name for p in (root / "ckpt").glob("step_*")) == ["step_000004", "step_000006"]
     names = sorted(p.name for p in (root / "ckpt" / "step_000006").iterdir())
-    assert names == ["COMPLETE", "meta.pt", "rank0.pt", "rank1.pt"]
+    assert names == ["COMPLETE", "meta.pt", "rank0.bin", "rank0.pt", "rank1.bin", "rank1.pt"]
 
 
 @pytest.mark.parametrize(
@@ -159,20 +159,42 @@ def test_what_a_checkpoint_holds(saved):
         s = g["padded_numel"] // 2
         assert g["sharded"] and g["ranges"] == [[0, s], [s, 2 * s]]
     # Each rank wrote its own shard with its optimizer state, step counters included: one
-    # per parameter that reaches into the rank's slice.
+    # per parameter that reaches into the rank's slice. The index names each entry of the
+    # data file (dtype, shape, byte offset, length) and a CRC32 per block of it.
     for r in (0, 1):
         shard = load("zero", f"rank{r}.pt")
+        data = shard["data"]
         sizes = [g["padded_numel"] // 2 for g in layout["groups"]]
-        assert [t.numel() for t in shard["params"]] == sizes
-        steps = [int(c["step"]) for o in shard["optim"] for c in o["scalar"].values()]
+        params = [data["entries"][f"params/{i}"] for i in range(len(sizes))]
+        assert [p[1] for p in params] == [[s] for s in sizes]
+        assert all(p[0] == "float32" and p[3] == 4 * p[1][0] for p in params)
+        exp_avg = [data["entries"][f"optim/{i}/exp_avg"] for i in range(len(sizes))]
+        assert [e[1] for e in exp_avg] == [[s] for s in sizes]
+        bin_file = saved("zero")[3] / "ckpt" / "step_000006" / f"rank{r}.bin"
+        assert bin_file.stat().st_size == data["size"] and len(data["crcs"]) >= 1
+        steps = [int(c["step"]) for o in shard["scalar"] for c in o.values()]
         assert steps and all(s == 6 for s in steps)
         names = {n for g in layout["groups"] for n in g["names"]}
-        assert all(o["scalar"].keys() <= names for o in shard["optim"])
+        assert all(o.keys() <= names for o in shard["scalar"])
         assert {"torch", "python", "numpy"} <= shard["rng"].keys()
+    # The values in the data file are the parameters, at the offsets the index gives.
+    _, _, got, root = saved("zero")
+    g0 = layout["groups"][0]
+    name, shape = g0["names"][0], g0["shapes"][0]
+    _, _, offset, _ = load("zero", "rank0.pt")["data"]["entries"]["params/0"]
+    raw = (root / "ckpt" / "step_000006" / "rank0.bin").read_bytes()
+    assert g0["offsets"][0] == 0
+    n = min(torch.Size(shape).numel(), g0["padded_numel"] // 2)  # in rank 0's slice
+    value = torch.frombuffer(bytearray(raw[offset : offset + 4 * n]), dtype=torch.float32)
+    key = next(k for k, v in layout["keys"] if v == name)
+    assert torch.equal(value, got[key].reshape(-1)[:n])
     # ddp writes its model once: rank 1's file holds its RNG states only.
     ddp0, ddp1 = load("ddp", "rank0.pt"), load("ddp", "rank1.pt")
-    assert all(t is not None for t in ddp0["params"])
-    assert all(t is None for t in ddp1["params"]) and "torch" in ddp1["rng"]
+    assert all(o is not None for o in ddp0["scalar"]) and ddp0["data"]["size"] > 0
+    assert all(o is None for o in ddp1["scalar"]) and ddp1["data"]["entries"] == {}
+    assert ddp1["data"]["size"] == 0 and "torch" in ddp1["rng"]
+    # Buffers and frozen parameters: on rank 0 only (this GPT has none but the tied key).
+    assert meta["replicated"] == {}
 
 
 def test_ckpt_options_are_checked():

@@ -231,7 +231,8 @@ def _stopped(proc: subprocess.Popen, run_dir: Path) -> tuple[int, str]:
     assert lines[0] == (
         f"stopped by SIGTERM at step {step}; checkpoint {ckpt}; resume with resume=auto"
     )
-    assert sorted(p.name for p in ckpt.iterdir()) == ["COMPLETE", "meta.pt", "rank0.pt", "rank1.pt"]
+    names = ["COMPLETE", "meta.pt", "rank0.bin", "rank0.pt", "rank1.bin", "rank1.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == names
     return step, err
 
 

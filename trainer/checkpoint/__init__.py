@@ -5,9 +5,13 @@ consolidate into one state_dict. What they give a user: docs/checkpoints.md.
     checkpoint.maybe_save(cfg, engine, run_dir, step, sampler=sampler)       # after each step
 
   files.py      the directory and file format; checksummed writes, checked reads
+  stream.py     tensors streamed to a data file in one buffer, ranges read back and
+                checked [Note: streamed checkpoint files]
   saving.py     every rank writes, rank 0 commits by a rename [Note: atomic checkpoints]
   resume.py     which checkpoint to resume, loading it into an engine [Note: run lineage]
-  recutting.py  a checkpoint into another layout; consolidate [Note: re-cutting shards]
+  recutting.py  what a rank keeps, read range by range, in its layout or another
+                [Note: re-cutting shards]; the full model one tensor at a time
+  export.py     that model as safetensors, one tensor at a time [Note: streamed export]
   rng.py        each rank's RNG states
   agree.py      what every rank must learn alike (errors, rank 0's decisions)
   faults.py     kills and hangs at chosen points, for tests [Note: fault injection]

@@ -5,7 +5,7 @@ checkpoint save.
 Tests kill or stall a rank at a chosen point through the environment:
 SHARDTRAIN_FAULT="RANK:STEP:ACTION" with ACTION `kill` (SIGKILL after that step),
 `hang` (stop answering after that step) or `kill_in_save` (SIGKILL halfway through
-writing its file of that step's checkpoint) or `kill_in_prune` (SIGKILL halfway through
+streaming its data file of that step's checkpoint) or `kill_in_prune` (SIGKILL halfway through
 removing the checkpoint that step's save prunes). With SHARDTRAIN_FAULT_ONCE=PATH it fires
 only while PATH does not exist (creating it), so a restarted group runs on undisturbed.
 """
@@ -39,8 +39,6 @@ def fault(where: str, step: int, path: Path | None = None) -> None:
     if action == "hang":
         while True:
             time.sleep(60)
-    if action == "kill_in_save" and path is not None:
-        os.truncate(path, path.stat().st_size // 2)  # as if killed in the middle of writing
     if action == "kill_in_prune" and path is not None:
         (path / "meta.pt").unlink()  # as if killed in the middle of deleting it
     os.kill(os.getpid(), signal.SIGKILL)

@@ -5,17 +5,22 @@ One directory per checkpoint under `ckpt.dir` (default `<run dir>/checkpoints`):
     step_000120/
       meta.pt    step, config (YAML), layout (mode, world size, per group: parameter
                  names, shapes, offsets, padded size, each rank's range), optimizer class
-                 and hyperparameters, sampler (and other) state, buffers, checksum
-      rank0.pt   this rank's slice of every sharded group (zero buckets, fsdp units) and
-      rank1.pt   its optimizer state; rank 0 also holds unsharded groups (ddp's whole
-      ...        model: ddp writes it once); every rank's RNG states; checksum
+                 and hyperparameters, sampler (and other) state, which buffers and frozen
+                 parameters rank0.bin holds, checksum
+      rank0.bin  this rank's data ([Note: streamed checkpoint files] in stream.py): its
+      rank1.bin  slice of every sharded group (zero buckets, fsdp units) and of its
+      ...        per-element optimizer state; rank 0 also holds unsharded groups (ddp's
+                 whole model: ddp writes it once) and the buffers and frozen parameters
+      rank0.pt   the index of rank0.bin (entries, size, a CRC32 per block) and this rank's
+      ...        step counters and RNG states; checksum
       COMPLETE   written last (JSON: step, save id, run lineage): only a directory
                  holding it counts as a checkpoint
     lineage      (beside the step directories) the id of the run that owns them
 
-Every file holds plain tensors and Python values only: `torch.load(weights_only=True)`
-reads it, and that is the only way a checkpoint file is loaded. Each carries a CRC32 over
-its contents, so a truncated or corrupted file is named rather than silently loaded.
+Every .pt file holds plain tensors and Python values only: `torch.load(weights_only=True)`
+reads it, and that is the only way a checkpoint file is loaded; .bin files are raw bytes
+that the index describes. Each carries CRC32s over its contents, so a truncated or
+corrupted file is named rather than silently loaded.
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trainer.checkpoint import agree
+from trainer.checkpoint import agree, stream
 from trainer.errors import ConfigError, TrainingError
 
-FORMAT = 2  # 2: optimizer step counters per parameter name
+FORMAT = 3  # 2: optimizer step counters per parameter name; 3: data streamed to rank*.bin
 
 
 MARKER, LINEAGE = "COMPLETE", "lineage"
@@ -103,10 +108,29 @@ def write_file(path: Path, obj: Any, atomic: bool = True) -> None:
         target.unlink(missing_ok=True)
         cause = next((x for x in (e, e.__context__, sink and sink.error) if _is_full(x)), None)
         if cause is not None:
-            raise TrainingError(
-                f"no space left on device writing {path} (it needs about "
-                f"{_megabytes(_tensor_bytes(obj))}; free some, or set a ckpt.dir with room)"
-            ) from None
+            raise stream.full_disk(path, _tensor_bytes(obj)) from None
+        raise TrainingError(f"cannot write {path}: {agree.line(e)}") from None
+
+
+def write_data(
+    path: Path, entries: list[stream.Entry], buffer_bytes: int, halfway=None
+) -> dict[str, Any]:
+    """Stream `entries` into data file `path` ([Note: streamed checkpoint files]) and
+    return its index. A failed write raises TrainingError (a full disk named as such,
+    with the size it needs) and leaves no file."""
+    sink: list[Sink] = []
+
+    def sink_type(f):
+        sink.append(Sink(f))
+        return sink[0]
+
+    try:
+        return stream.write_entries(path, entries, buffer_bytes, sink_type, halfway)
+    except (OSError, RuntimeError) as e:
+        path.unlink(missing_ok=True)
+        error = sink[0].error if sink else None
+        if any(_is_full(x) for x in (e, e.__context__, error)):
+            raise stream.full_disk(path, stream.planned_bytes(entries)) from None
         raise TrainingError(f"cannot write {path}: {agree.line(e)}") from None
 
 
@@ -142,10 +166,6 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _megabytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} kB"
-
-
 def write_text(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -173,7 +193,7 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def read_rank(path: Path, rank: int, meta: dict[str, Any]) -> dict[str, Any]:
-    """Rank `rank`'s file, checked to belong to the checkpoint that `meta` describes."""
+    """Rank `rank`'s index, checked to belong to the checkpoint that `meta` describes."""
     file = Path(path) / f"rank{rank}.pt"
     data = read(file)
     layout, want = data.get("layout", {}), meta["layout"]
@@ -210,8 +230,13 @@ def read(file: Path) -> dict[str, Any]:
         ) from None
     except Exception as e:
         raise ConfigError(f"{file} is truncated or corrupted: {agree.line(e)}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or "checksum" not in data:
+    if not isinstance(data, dict) or "checksum" not in data or "format" not in data:
         raise ConfigError(f"{file} is not a checkpoint file of this trainer (format {FORMAT})")
+    if data["format"] != FORMAT:
+        raise ConfigError(
+            f"{file} is of checkpoint format {data['format']}; this trainer reads format "
+            f"{FORMAT} only: resume or consolidate it with the version that wrote it"
+        )
     stored = data.pop("checksum")
     if checksum(data) != stored:
         raise ConfigError(f"{file} is corrupted: its contents do not match their checksum")

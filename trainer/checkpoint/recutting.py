@@ -1,14 +1,18 @@
-"""Reading a checkpoint into this run's layout: as saved, or re-cut from another one; and
-consolidating it into one full state_dict.
+"""Reading a checkpoint into this run's layout, as saved or re-cut from another one, range
+by range; and the full model of a checkpoint, one tensor at a time.
 
 [Note: re-cutting shards]
-A checkpoint resumed with the layout it was written with (same mode, world size and
-groups) is read by each rank from its own file (plus rank 0's for unsharded groups).
-Any other layout is re-cut: every rank reads every file, reassembles each saved group's
-flat buffer from the ranks' ranges, takes each parameter and each per-element optimizer
-tensor (exp_avg, exp_avg_sq, momentum_buffer: shaped like the parameter) out of it by
-name, and lays them into its own groups, cutting its own range; step counters are kept
-per parameter name and copied.
+Each rank reads only what it keeps. For every parameter that reaches into one of its
+groups' ranges, it finds where that part of the parameter lies in the checkpoint (which
+saved group, at which offset, in which holder ranks' ranges) and reads those element
+ranges of the holders' data files ([Note: streamed checkpoint files] in stream.py)
+straight into its own tensors: the values into the group's `local`, each per-element
+optimizer tensor (exp_avg, exp_avg_sq, momentum_buffer: laid out like the values) into
+the new state tensor of the piece; step counters are kept per parameter name and copied.
+The same layout is the case where every range is one rank's own. No rank reads a whole
+file it does not need, nor builds a full flat buffer. Before anything is changed, every
+range to be read is checked against the files' checksums (a first pass over the same
+blocks): a bad file leaves the engine as it was.
 That is pure data movement, so values are exact; only the arithmetic that follows in
 the other mode may round differently.
 """
@@ -16,43 +20,148 @@ the other mode may round differently.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer import comm
+from trainer.checkpoint import stream
 from trainer.checkpoint.files import read_meta, read_rank
+from trainer.checkpoint.saving import REPLICATED
 from trainer.errors import ConfigError
 from trainer.parallel import state as engine_state
 
+# One range to read: (saved rank, saved group, start in that rank's entry, start in this
+# rank's group, number of elements).
+Copy = tuple[int, int, int, int, int]
 
-def prepare(path: Path, engine) -> tuple[dict, dict, dict | None]:
-    """Read what this rank needs, check it, and cut this rank's state (no side effects)."""
-    meta = read_meta(path)
-    mine, saved = engine_state.shard_layout(engine), meta["layout"]
+
+class Checkpoint:
+    """A checkpoint's meta, and the indexes and data files of the ranks read so far."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.meta = read_meta(self.path)
+        self.layout = self.meta["layout"]
+        self.indexes: dict[int, dict[str, Any]] = {}
+        self.data: dict[int, stream.DataFile] = {}
+        # parameter name -> (saved group, offset in it, holders as (rank, start, end))
+        self.where: dict[str, tuple[int, int, list[tuple[int, int, int]]]] = {}
+        for j, g in enumerate(self.layout["groups"]):
+            held_by = range(holders(self.layout)) if g["sharded"] else [0]
+            ranges = [(r, *g["ranges"][r]) for r in held_by]
+            for n, offset in zip(g["names"], g["offsets"], strict=True):
+                self.where[n] = (j, offset, ranges)
+
+    def open(self, ranks: set[int]) -> None:
+        """Read and check the indexes of `ranks` and the sizes of their data files."""
+        for r in sorted(ranks - self.indexes.keys()):
+            self.indexes[r] = read_rank(self.path, r, self.meta)
+        for r in sorted(ranks - self.data.keys()):
+            self.data[r] = stream.DataFile(self.path / f"rank{r}.bin", self.indexes[r]["data"])
+
+    def close(self) -> None:
+        for d in self.data.values():
+            d.close()
+
+    def copies(self, name: str, start: int, end: int, at: int) -> list[Copy]:
+        """The ranges that hold elements [start, end) of parameter `name`, which go to
+        this rank's group at `at` onwards."""
+        j, offset, ranges = self.where[name]
+        a, b = offset + start, offset + end
+        out = []
+        for r, lo, hi in ranges:
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                out.append((r, j, x - lo, at + x - a, y - x))
+        return out
+
+    def read(self, rank: int, entry: str, start: int, out: torch.Tensor | None, n: int) -> None:
+        self.data[rank].read(entry, start, out, n)
+
+    def replicated(self, key: str, out: torch.Tensor | None) -> None:
+        n = math.prod(self.meta["replicated"][key][1])
+        self.read(0, REPLICATED + key, 0, out, n)
+
+
+def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
+    """Read what this rank needs and check it, with no side effects: (meta, a function
+    that loads it into `engine`, this rank's RNG states or None)."""
+    ckpt = Checkpoint(path)
+    meta, saved = ckpt.meta, ckpt.layout
+    mine = engine_state.shard_layout(engine)
     module = engine.module.state_dict()
     buffers = {k: tuple(module[k].shape) for k, name in mine["keys"] if name is None}
     _check_compatible(path / "meta.pt", meta, mine, buffers, type(engine.optimizer).__name__)
     rank = comm.rank()
-    # Sharded groups are held by the first shard group's ranks ([Note: hybrid sharding]).
-    holder = rank % holders(saved)
-    if saved == mine:  # the fast path: the file of this rank's slice (and rank 0's)
-        need = {rank, holder} | {0 for g in saved["groups"] if not g["sharded"]}
-    else:  # [Note: re-cutting shards]
-        need = set(range(saved["world_size"]))
-    files = {r: read_rank(path, r, meta) for r in sorted(need)}
-    if saved == mine:
-        state = {"params": [], "optim": []}
-        for i, g in enumerate(saved["groups"]):
-            holder_file = files[holder if g["sharded"] else 0]
-            state["params"].append(holder_file["params"][i])
-            state["optim"].append(holder_file["optim"][i])
-    else:
-        state = recut(saved, files, mine, rank)
-    state["optim_hparams"] = meta["optim_hparams"]
-    state["replicated"] = meta["replicated"]
-    return meta, state, files[rank]["rng"] if rank in files else None
+    plan = [_group_plan(ckpt, g, g["ranges"][rank]) for g in mine["groups"]]
+    need = {c[0] for p in plan for c in p}
+    need |= {0} if buffers else set()
+    need |= {rank} if rank < saved["world_size"] else set()  # for its RNG states
+    try:
+        ckpt.open(need)
+        # The optimizer state: counters of every parameter this rank keeps, per-element
+        # tensors of the saved groups it reads from.
+        scalar: dict[str, dict] = {}
+        for index in ckpt.indexes.values():
+            for entries in index["scalar"]:
+                scalar.update(entries or {})
+        per_element = []
+        for p in plan:
+            keys = set()
+            for r, j, *_ in p:
+                prefix = f"optim/{j}/"
+                entries = ckpt.indexes[r]["data"]["entries"]
+                keys |= {e[len(prefix) :] for e in entries if e.startswith(prefix)}
+            per_element.append(sorted(keys))
+
+        sizes = [g["ranges"][rank][1] - g["ranges"][rank][0] for g in mine["groups"]]
+
+        def fill(i: int, key: str | None, out: torch.Tensor | None, start: int) -> None:
+            """Elements [start, start + n) of this rank's group i, from the files; `out`
+            None: check them only."""
+            n = out.numel() if out is not None else sizes[i]
+            for r, j, src, dst, count in plan[i]:
+                a, b = max(dst, start), min(dst + count, start + n)
+                if a >= b:
+                    continue
+                entry = f"params/{j}" if key is None else f"optim/{j}/{key}"
+                if key is not None and not ckpt.data[r].has(entry):
+                    continue  # no piece of that range had state there: zeros
+                part = out[a - start : b - start] if out is not None else None
+                ckpt.read(r, entry, src + a - dst, part, b - a)
+
+        for i in range(len(plan)):  # every range once, checked against its checksums
+            for key in [None, *per_element[i]]:
+                fill(i, key, None, 0)
+        for k in buffers:
+            ckpt.replicated(k, None)
+    finally:
+        ckpt.close()  # reopened by `load`, if it comes to that
+
+    def load(engine) -> None:
+        try:
+            engine_state.load_streamed(
+                engine, fill, scalar, per_element, meta["optim_hparams"], ckpt.replicated
+            )
+        finally:
+            ckpt.close()
+
+    rng = ckpt.indexes[rank]["rng"] if rank in ckpt.indexes else None
+    return meta, load, rng
+
+
+def _group_plan(ckpt: Checkpoint, group: dict, my_range: list[int]) -> list[Copy]:
+    """The ranges of the checkpoint that make this rank's range of `group`."""
+    lo, hi = my_range
+    out: list[Copy] = []
+    for name, shape, offset in zip(group["names"], group["shapes"], group["offsets"], strict=True):
+        a, b = max(offset, lo), min(offset + math.prod(shape), hi)
+        if a < b:
+            out += ckpt.copies(name, a - offset, b - offset, a - lo)
+    return out
 
 
 def _check_compatible(
@@ -82,10 +191,11 @@ def _check_compatible(
             f"{_few(sorted(theirs_keys - ours_keys))}"
         )
     for k, shape in buffers.items():
-        if tuple(meta["replicated"][k].shape) != shape:
+        theirs_shape = tuple(meta["replicated"][k][1])
+        if theirs_shape != shape:
             raise ConfigError(
-                f"{file} does not match this model: {k} has shape "
-                f"{tuple(meta['replicated'][k].shape)} there and {shape} here"
+                f"{file} does not match this model: {k} has shape {theirs_shape} there and "
+                f"{shape} here"
             )
     if meta.get("optimizer") != optimizer:
         raise ConfigError(
@@ -103,86 +213,75 @@ def _few(names: list[str]) -> str:
     return "[" + ", ".join(names[:4]) + (", ...]" if len(names) > 4 else "]")
 
 
-def full_tensors(layout: dict, files: dict[int, dict]) -> tuple[dict, dict, dict]:
-    """Whole tensors by parameter name from the ranks' files of a checkpoint written
-    with `layout`: (values, per-element optimizer tensors, other optimizer state of the
-    parameters that have any)."""
-    values: dict[str, torch.Tensor] = {}
-    per_element: dict[str, dict[str, torch.Tensor]] = {}
-    scalar: dict[str, dict[str, Any]] = {}
-    for i, g in enumerate(layout["groups"]):
-        held_by = range(holders(layout)) if g["sharded"] else [0]
-        ranges = [g["ranges"][r] for r in held_by]
-        flat = _assemble([files[r]["params"][i] for r in held_by], ranges)
-        entries = [files[r]["optim"][i] for r in held_by]
-        keys = sorted({k for e in entries for k in e["per_element"]})
-        # A rank whose pieces have no state yet (never stepped) holds no entry: zeros.
-        opt_flat = {
-            k: _assemble(
-                [
-                    e["per_element"].get(k, flat.new_zeros(hi - lo))
-                    for e, (lo, hi) in zip(entries, ranges, strict=True)
-                ],
-                ranges,
-            )
-            for k in keys
-        }
-        for name, shape, offset in zip(g["names"], g["shapes"], g["offsets"], strict=True):
-            n = math.prod(shape)
-            values[name] = flat[offset : offset + n].view(shape)
-            per_element[name] = {k: v[offset : offset + n].view(shape) for k, v in opt_flat.items()}
-        for e in entries:  # a parameter split over ranks: the same counters on each
-            scalar.update(e["scalar"])
-    return values, per_element, scalar
-
-
 def holders(layout: dict) -> int:
     """How many ranks (0, 1, ...) hold the slices of sharded groups: a shard group's."""
     return layout.get("shard_group_size", layout["world_size"])
 
 
-def _assemble(pieces: list[torch.Tensor], ranges: list[list[int]]) -> torch.Tensor:
-    flat = pieces[0].new_zeros(max(hi for _, hi in ranges))
-    for piece, (lo, hi) in zip(pieces, ranges, strict=True):
-        flat[lo:hi] = piece
-    return flat
+def _model_ranks(layout: dict) -> set[int]:
+    """The ranks whose files hold the model: rank 0 and the first shard group."""
+    sharded = any(g["sharded"] for g in layout["groups"])
+    return {0} | (set(range(holders(layout))) if sharded else set())
 
 
-def recut(saved: dict, files: dict[int, dict], layout: dict, rank: int) -> dict[str, list]:
-    """This rank's params and optimizer state in `layout`, from a checkpoint of `saved`."""
-    values, per_element, scalar = full_tensors(saved, files)
-    params, optim = [], []
-    for g in layout["groups"]:
-        lo, hi = g["ranges"][rank]
-        names = g["names"]
-        params.append(_lay_out(g, {n: values[n] for n in names})[lo:hi].clone())
-        per = {}
-        for k in sorted({k for n in names for k in per_element[n]}):
-            tensors = {n: per_element[n][k] for n in names if k in per_element[n]}
-            per[k] = _lay_out(g, tensors)[lo:hi].clone()
-        optim.append({"per_element": per, "scalar": {n: scalar[n] for n in names if n in scalar}})
-    return {"params": params, "optim": optim}
+def model_tensors(path: Path, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full model of checkpoint `path` as (state_dict key, tensor), one tensor read at
+    a time from the ranges that hold it, in state_dict order (the keys in `only`, if
+    given); no process group, no model, no optimizer state. A tied weight (two keys, one
+    parameter) is one tensor, under each of its keys in turn."""
+    ckpt = Checkpoint(path)
+    try:
+        layout = ckpt.layout
+        shapes = _shapes(layout)
+        ckpt.open(
+            {0} | {r for g in layout["groups"] if g["sharded"] for r in range(holders(layout))}
+        )
+        last: tuple[str | None, torch.Tensor | None] = (None, None)
+        for key, name in layout["keys"]:
+            if only is not None and key not in only:
+                continue
+            if name is None:
+                dtype, shape = ckpt.meta["replicated"][key]
+                value = torch.empty(shape, dtype=stream.dtype_of(dtype))
+                ckpt.replicated(key, value.reshape(-1))
+            elif name == last[0]:
+                value = last[1]
+            else:
+                shape = shapes[name]
+                j, _, ranges = ckpt.where[name]
+                dtype = ckpt.data[ranges[0][0]].entry(f"params/{j}")[0]
+                value = torch.empty(shape, dtype=dtype)
+                flat = value.reshape(-1)
+                for r, j, src, dst, n in ckpt.copies(name, 0, flat.numel(), 0):
+                    ckpt.read(r, f"params/{j}", src, flat[dst : dst + n], n)
+                last = (name, value)
+            yield key, value
+    finally:
+        ckpt.close()
 
 
-def _lay_out(group: dict, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A group's padded flat buffer with `tensors` at their offsets (absent ones zero)."""
-    like = next(iter(tensors.values()))
-    flat = like.new_zeros(group["padded_numel"])
-    for name, offset in zip(group["names"], group["offsets"], strict=True):
-        if name in tensors:
-            t = tensors[name].reshape(-1)
-            flat[offset : offset + t.numel()] = t
-    return flat
+def model_entries(path: Path) -> list[tuple[str, str | None, torch.dtype, tuple[int, ...]]]:
+    """(key, parameter name or None, dtype, shape) of every tensor `model_tensors(path)`
+    yields, read from the meta and indexes alone."""
+    ckpt = Checkpoint(path)
+    layout = ckpt.layout
+    shapes = _shapes(layout)
+    ckpt.open(_model_ranks(layout))
+    ckpt.close()
+    out = []
+    for key, name in layout["keys"]:
+        if name is None:
+            dtype, shape = ckpt.meta["replicated"][key]
+            out.append((key, None, stream.dtype_of(dtype), tuple(shape)))
+        else:
+            j, _, ranges = ckpt.where[name]
+            dtype = ckpt.data[ranges[0][0]].entry(f"params/{j}")[0]
+            out.append((key, name, dtype, shapes[name]))
+    return out
 
 
 def consolidate(path: Path) -> dict[str, torch.Tensor]:
     """The full model state_dict of checkpoint `path` (every state_dict key, tied weights
-    under each of their names), read from the files alone: no process group, no model."""
-    path = Path(path)
-    meta = read_meta(path)
-    files = {r: read_rank(path, r, meta) for r in range(meta["layout"]["world_size"])}
-    values, _, _ = full_tensors(meta["layout"], files)
-    return {
-        key: (values[name] if name is not None else meta["replicated"][key]).clone()
-        for key, name in meta["layout"]["keys"]
-    }
+    under each of their names, one tensor), read from the files alone: no process group,
+    no model, no optimizer state. It holds the model once (4Ψ in fp32)."""
+    return dict(model_tensors(path))

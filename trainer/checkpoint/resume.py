@@ -25,7 +25,6 @@ from trainer.checkpoint import agree, files
 from trainer.checkpoint.recutting import prepare
 from trainer.checkpoint.rng import set_rng_state
 from trainer.errors import ConfigError
-from trainer.parallel import state as engine_state
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -33,6 +32,9 @@ def check_config(cfg: DictConfig) -> None:
         value = cfg.ckpt[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"ckpt.{key}={value!r} must be a whole number >= 0")
+    value = cfg.ckpt.get("buffer_mb", 1)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"ckpt.buffer_mb={value!r} must be a number of megabytes > 0")
 
 
 def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int:
@@ -230,7 +232,7 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
         error = agree.first_error(error, agree.device_of(engine))
     if error is not None:
         raise ConfigError(error)
-    meta, state, rng = prepared
+    meta, load_into, rng = prepared
     refuse_changes(cfg, path, meta)  # every rank alike: the same files and config
     mine = _hparams(engine.optimizer)  # the values this run was built with
     for name, obj in stateful.items():
@@ -240,7 +242,7 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
             except ConfigError as e:
                 raise ConfigError(f"{path / 'meta.pt'}: {e}") from None
     with comm.unaccounted():
-        engine_state.load_sharded_state(engine, state)
+        load_into(engine)  # [Note: re-cutting shards]: range by range, into its tensors
     _keep_hparams(engine.optimizer, mine, stateful.get("scheduler"))
     if rng is not None:
         set_rng_state(rng)

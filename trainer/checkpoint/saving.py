@@ -23,10 +23,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import comm
-from trainer.checkpoint import agree, faults, files
+from trainer.checkpoint import agree, faults, files, stream
 from trainer.checkpoint.rng import rng_state
 from trainer.errors import TrainingError
 from trainer.parallel import state as engine_state
+
+DEFAULT_BUFFER_MB = 64  # ckpt.buffer_mb: the staging buffer of a save
+REPLICATED = "replicated/"  # data entries of buffers and frozen parameters (rank 0)
 
 
 def maybe_save(
@@ -40,14 +43,25 @@ def maybe_save(
     if not force and step != last and not (every and step % every == 0):
         return None
     directory = files.checkpoint_dir(cfg, run_dir)
-    return save(directory, step, engine, OmegaConf.to_yaml(cfg), cfg.ckpt.keep, **stateful)
+    config, keep = OmegaConf.to_yaml(cfg), cfg.ckpt.keep
+    buffer_mb = cfg.ckpt.get("buffer_mb", DEFAULT_BUFFER_MB)
+    return save(directory, step, engine, config, keep, buffer_mb, **stateful)
 
 
 def save(
-    directory: Path, step: int, engine, config: str = "", keep: int = 0, **stateful: Any
+    directory: Path,
+    step: int,
+    engine,
+    config: str = "",
+    keep: int = 0,
+    buffer_mb: float = DEFAULT_BUFFER_MB,
+    **stateful: Any,
 ) -> Path:
     """Write checkpoint `step` under `directory`; every rank calls it ([Note: atomic
-    checkpoints]). Returns once the checkpoint is complete and visible to every rank."""
+    checkpoints]). Each rank streams its state from the live tensors through at most one
+    staging buffer of `buffer_mb` ([Note: streamed checkpoint files]). Returns once the
+    checkpoint is complete and visible to every rank."""
+    buffer_bytes = max(stream.BLOCK, int(buffer_mb * 2**20))
     directory, rank = Path(directory), comm.rank()
     final = files.step_dir(directory, step)
     with comm.unaccounted():
@@ -65,26 +79,34 @@ def save(
         tmp = Path(name[0])
         error = None
         try:
-            state = engine_state.sharded_state(engine)
             save_id = tmp.name.rsplit("-", 1)[1]
-            shard = {"params": state["params"], "optim": state["optim"], "rng": rng_state()}
-            header = {
-                "format": files.FORMAT,
-                "id": save_id,
-                "step": step,
-                "layout": state["layout"],
-            }
-            path = tmp / f"rank{rank}.pt"
-            files.write(path, {**header, "rank": rank, **shard})
-            faults.fault("save", step, path)
+            layout = engine_state.shard_layout(engine)
+            header = {"format": files.FORMAT, "id": save_id, "step": step, "layout": layout}
+            # [Note: streamed checkpoint files]: the live tensors, through one buffer
+            planned, scalars = engine_state.data_to_write(engine)
+            entries = [stream.Entry(*e) for e in planned]
+            data_path = tmp / f"rank{rank}.bin"
+            index = files.write_data(
+                data_path,
+                entries,
+                buffer_bytes,
+                halfway=lambda: faults.fault("save", step, data_path),
+            )
+            shard = {"rank": rank, "data": index, "scalar": scalars, "rng": rng_state()}
+            files.write(tmp / f"rank{rank}.pt", {**header, **shard})
             if rank == 0:
+                replicated = [e for e in entries if e.name.startswith(REPLICATED)]
                 meta = {
                     **header,
                     "run": files.lineage(directory),
                     "config": config,
                     "optimizer": type(engine.optimizer).__name__,
-                    "optim_hparams": state["optim_hparams"],
-                    "replicated": state["replicated"],
+                    "optim_hparams": engine_state.optim_hparams(engine),
+                    # what rank0.bin holds of the buffers and frozen parameters
+                    "replicated": {
+                        e.name[len(REPLICATED) :]: [stream.dtype_name(e.dtype), e.shape]
+                        for e in replicated
+                    },
                     "state": {k: obj.state_dict() for k, obj in stateful.items()},
                 }
                 files.write(tmp / "meta.pt", meta)

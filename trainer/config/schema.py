@@ -49,6 +49,7 @@ class Ckpt:
     every: int = 500
     dir: str | None = None
     keep: int = 2
+    buffer_mb: float = 64.0
 
 
 @dataclass

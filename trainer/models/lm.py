@@ -211,6 +211,22 @@ def run_model(path: Path) -> tuple[nn.Module, Path, str]:
     """The model of a run directory (its newest checkpoint, else final_model.pt) or of one
     checkpoint directory, on one process whatever mode and world size saved it: (model in
     eval mode, the run's model/ directory, what was loaded)."""
+    from trainer import checkpoint
+
+    found, model_dir, source = run_source(path)
+    model = build_from_config(model_dir)
+    if found is not None:
+        state = checkpoint.consolidate(found)
+    else:
+        state = torch.load(source, weights_only=True)
+    model.load_state_dict(state)
+    return model.eval(), model_dir, source
+
+
+def run_source(path: Path) -> tuple[Path | None, Path, str]:
+    """Where the model of a run directory or of one checkpoint directory is: (the newest
+    checkpoint, or None where only final_model.pt is, the run's model/ directory, what
+    will be read)."""
     from omegaconf import OmegaConf
 
     from trainer import checkpoint
@@ -233,11 +249,6 @@ def run_model(path: Path) -> tuple[nn.Module, Path, str]:
             f"{model_dir / 'config.json'} is missing: the run did not train a language model "
             "(model=gpt or model=hf), or the checkpoint is not inside its run directory"
         )
-    model = build_from_config(model_dir)
     if found:
-        state, source = checkpoint.consolidate(found[0]), str(found[0])
-    else:
-        source = str(path / "final_model.pt")
-        state = torch.load(source, weights_only=True)
-    model.load_state_dict(state)
-    return model.eval(), model_dir, source
+        return found[0], model_dir, str(found[0])
+    return None, model_dir, str(path / "final_model.pt")

@@ -97,7 +97,12 @@ class Engine(ABC):
 
     def whole_copy(self, v: torch.Tensor) -> torch.Tensor:
         """A tensor every rank keeps whole (buffer, frozen parameter) as an fp32 CPU copy."""
-        return _fp32(self._frozen.get(id(v), v).detach().cpu().clone())
+        return _fp32(self.whole_value(v).cpu().clone())
+
+    def whole_value(self, v: torch.Tensor) -> torch.Tensor:
+        """The values to save of a tensor every rank keeps whole, not copied: its fp32
+        master where the module computes with a cast copy (a frozen parameter), else itself."""
+        return self._frozen.get(id(v), v).detach()
 
     @torch.no_grad()
     def load_whole(self, v: torch.Tensor, value: torch.Tensor) -> None:

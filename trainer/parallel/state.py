@@ -11,6 +11,7 @@ counters by parameter name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,9 +81,10 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
 @torch.no_grad()
 def sharded_state(engine: Engine) -> dict[str, Any]:
     """This rank's model and optimizer state as CPU copies, 1-D per group, and the
-    layout; no communication. Unsharded groups are kept by rank 0 alone (ddp writes
-    its model once), sharded ones by the first shard group (its replicas hold the same
-    slices); other ranks hold None there."""
+    layout; no communication. Unsharded groups are kept by rank 0 alone (ddp writes its
+    model once), sharded ones by the first shard group (its replicas hold the same
+    slices); other ranks hold None there. For comparing two engines' states (tests): a
+    checkpoint streams from the live tensors instead (`data_to_write`)."""
     groups, opt = engine.shard_groups(), engine.optimizer
     params, optim = [], []
     for g in groups:
@@ -110,48 +112,142 @@ def sharded_state(engine: Engine) -> dict[str, Any]:
     }
 
 
+def holds(engine: Engine, g: ShardGroup) -> bool:
+    """Whether this rank writes group `g`: unsharded groups by rank 0 alone (ddp writes
+    its model once), sharded ones by the first shard group (its replicas hold the same
+    slices)."""
+    return engine.rank < engine.mesh.shard_size if g.sharded else engine.rank == 0
+
+
+# What a rank writes, as (name, dtype, shape, segments): segments are live tensors, or
+# counts of zero elements ([Note: streamed checkpoint files] in checkpoint/stream.py).
+DataEntry = tuple[str, torch.dtype, list[int], list[torch.Tensor | int]]
+
+
+@torch.no_grad()
+def data_to_write(engine: Engine) -> tuple[list[DataEntry], list[dict[str, dict] | None]]:
+    """This rank's part of a checkpoint, as views of the live tensors (no copies), and the
+    optimizer's other state (step counters) per group by parameter name, None for groups
+    it does not write. Entries: `params/i` (the group's local values, 1-D), `optim/i/k`
+    (per-element optimizer tensor k laid out like them, zero where no piece has state)
+    and, on rank 0, `replicated/KEY` (buffers and frozen parameters, fp32 like the
+    masters, so that a checkpoint does not depend on `precision`)."""
+    entries: list[DataEntry] = []
+    scalars: list[dict[str, dict] | None] = []
+    state = engine.optimizer.state
+    for i, g in enumerate(engine.shard_groups()):
+        if not holds(engine, g):
+            scalars.append(None)
+            continue
+        local = g.local.detach().reshape(-1)
+        entries.append((f"params/{i}", local.dtype, [local.numel()], [local]))
+        per_element: dict[str, list[torch.Tensor | int]] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        ends: dict[str, int] = {}
+        scalar: dict[str, dict] = {}
+        for piece in g.pieces:  # in order of their ranges in `local`
+            st = state.get(piece.tensor)
+            if not st:
+                continue
+            scalar[piece.name] = {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.shape == piece.tensor.shape and k != "step":
+                    segments = per_element.setdefault(k, [])
+                    dtypes.setdefault(k, v.dtype)
+                    segments += [piece.start - ends.get(k, 0), v.detach().reshape(-1)]
+                    ends[k] = piece.end
+                else:
+                    scalar[piece.name][k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+        for k, segments in per_element.items():
+            segments.append(local.numel() - ends[k])
+            entries.append((f"optim/{i}/{k}", dtypes[k], [local.numel()], segments))
+        scalars.append(scalar)
+    if engine.rank == 0:
+        module = engine.module.state_dict(keep_vars=True)
+        for k, name in shard_layout(engine)["keys"]:
+            if name is None:
+                v = engine.whole_value(module[k])
+                dtype = torch.float32 if v.is_floating_point() else v.dtype
+                entries.append((f"replicated/{k}", dtype, list(v.shape), [v]))
+    return entries, scalars
+
+
+def optim_hparams(engine: Engine) -> list[dict[str, Any]]:
+    """The optimizer's hyperparameters per param group, as plain CPU values (an fp16
+    run's lr is a device tensor: [Note: the schedule counts taken steps])."""
+    return [
+        {
+            k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+            for k, v in g.items()
+            if k != "params"
+        }
+        for g in engine.optimizer.param_groups
+    ]
+
+
+# Fills elements [start, start + out.numel()) of this rank's group i (1-D, as `local`)
+# into `out`: the values (key None) or per-element optimizer tensor `key`.
+Fill = Callable[[int, str | None, torch.Tensor, int], None]
+
+
 # Optimizer options that choose an implementation, not the update it computes.
 _IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
 @torch.no_grad()
-def load_sharded_state(engine: Engine, state: dict[str, Any]) -> None:
-    """Inverse of sharded_state() for this engine's own layout; checkpoint.py re-cuts a
-    checkpoint of another mode or world size into it first. Every rank calls it."""
+def load_streamed(
+    engine: Engine,
+    fill: Fill,
+    scalar: dict[str, dict[str, Any]],
+    per_element: list[list[str]],
+    hparams: list[dict[str, Any]],
+    replicated: Callable[[str, torch.Tensor], None],
+) -> None:
+    """Load a checkpoint into this engine's own tensors, piece by piece ([Note: shard
+    layout]): `fill` reads the values into each group's `local` and each stepped piece's
+    per-element optimizer tensors (`per_element[i]`: their names in group i) into new
+    tensors shaped like the piece, which the optimizer takes as they are; `scalar`: the
+    other optimizer state (step counters) by parameter name; `replicated(key, out)`
+    reads a buffer or frozen parameter. Every rank calls it, with its own `fill`."""
     groups, opt = engine.shard_groups(), engine.optimizer
-    for g, values in zip(groups, state["params"], strict=True):
-        g.local.copy_(values.view_as(g.local))
     index = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
     target = opt.state_dict()
     target["state"] = {}
-    for g, entry in zip(groups, state["optim"], strict=True):
+    for i, g in enumerate(groups):
+        fill(i, None, g.local.detach().reshape(-1), 0)
         for piece in g.pieces:
-            scalar = entry["scalar"].get(piece.name)
-            if scalar is None:  # never stepped: no state
+            saved = scalar.get(piece.name)
+            if saved is None:  # never stepped: no state
                 continue
             t = piece.tensor
-            target["state"][index[id(t)]] = {
-                # copies: the optimizer increments step counters in place, one each
-                **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalar.items()},
-                **{
-                    k: v[piece.start : piece.end].view_as(t)
-                    for k, v in entry["per_element"].items()
-                },
-            }
+            tensors = {}
+            for k in per_element[i]:
+                out = torch.zeros(t.numel(), dtype=t.dtype, device=t.device)
+                fill(i, k, out, piece.start)
+                tensors[k] = out.view_as(t)
+            # copies: the optimizer increments step counters in place, one each
+            counters = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()}
+            target["state"][index[id(t)]] = {**counters, **tensors}
     # How the optimizer is implemented stays this run's: torch places the step counters
     # by the loaded groups' `fused` (on the parameters' device, as fused kernels need, or
     # on the CPU), and an fp16 run is fused where an fp32 one is not.
-    saved = [
-        {k: v for k, v in g.items() if k not in _IMPLEMENTATION} for g in state["optim_hparams"]
-    ]
-    same = len(saved) == len(target["param_groups"])
+    saved_groups = [{k: v for k, v in g.items() if k not in _IMPLEMENTATION} for g in hparams]
+    same = len(saved_groups) == len(target["param_groups"])
     for i, pg in enumerate(target["param_groups"]):
         # The same grouping: every hyperparameter; another one (a run with weight-decay
         # groups resumed without them): the learning rate alone.
-        lr = {k: saved[0][k] for k in ("lr", "initial_lr") if k in saved[0]}
-        pg.update(saved[i] if same else lr)
+        lr = {k: saved_groups[0][k] for k in ("lr", "initial_lr") if k in saved_groups[0]}
+        pg.update(saved_groups[i] if same else lr)
     opt.load_state_dict(target)
     module = engine.module.state_dict(keep_vars=True)
-    for k, v in state["replicated"].items():
-        engine.load_whole(module[k], v)
+    for k, name in shard_layout(engine)["keys"]:
+        if name is None:  # one tensor at a time, in the checkpoint's dtype (fp32)
+            v = module[k]
+            value = torch.empty(v.shape, dtype=_saved_dtype(v), device=v.device)
+            replicated(k, value.reshape(-1))
+            engine.load_whole(v, value)
     engine.params_from_masters()
+
+
+def _saved_dtype(v: torch.Tensor) -> torch.dtype:
+    return torch.float32 if v.is_floating_point() else v.dtype

@@ -1,0 +1,135 @@
+"""Extra memory of a checkpoint save, a resume and a consolidation, per rank, measured from
+outside torch: the anonymous resident set (RssAnon of /proc/self/status: every tensor,
+every buffer of the process) sampled every millisecond in a thread, above its value just
+before the operation.
+
+    MALLOC_MMAP_THRESHOLD_=65536 torchrun --standalone --nproc-per-node=2 \\
+        scripts/ckpt_memory.py --mode zero --n-layer 4 --n-embd 512 --dir /tmp/ck
+    ... --mode fsdp --resume-from /tmp/ck/zero/step_000001 --dir /tmp/ck   # a re-cut
+
+With MALLOC_MMAP_THRESHOLD_ fixed, every tensor above 64 kB is its own mapping, handed
+back to the kernel when freed, so the peak is what was alive at once. Each rank builds a
+GPT (vocabulary 256, 64 positions: Ψ ≈ 12 L d²), takes one AdamW step on random tokens,
+then: `save` (checkpoint.save into --dir/<mode>), or with --resume-from, `resume`
+(checkpoint.load into a freshly built engine; its optimizer state, which a first step
+allocates too, is part of it: 8Ψ/P in zero and fsdp, 8Ψ in ddp); rank 0 then
+`consolidate`s the checkpoint (the model once, 4Ψ) and, with --export DIR, writes it as
+safetensors in shards of 100 MB (what export_hf.py writes). Run it for two sizes and read the
+growth between them: fixed overheads cancel. Prints one JSON line per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class Peak:
+    """RssAnon's highest value while the block runs, above its value at the start."""
+
+    def __enter__(self) -> Peak:
+        self.start = self.peak = rss_anon()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, rss_anon())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, rss_anon())
+
+    @property
+    def mib(self) -> float:
+        return round((self.peak - self.start) / 2**20, 1)
+
+
+def _engine(args):
+    from trainer.models import GPT
+    from trainer.parallel import build_engine
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=64, n_layer=args.n_layer, n_head=8, n_embd=args.n_embd)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4, eps=1e-3)
+    return build_engine(model, args.mode, adamw)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", default="zero")
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=512)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--resume-from", type=Path, default=None)
+    parser.add_argument("--export", type=Path, default=None, help="also export to this dir")
+    args = parser.parse_args()
+
+    from trainer import checkpoint, comm
+    from trainer.run import dist as tdist
+
+    torch.set_num_threads(1)
+    env = tdist.init("gloo")
+    engine = _engine(args)
+    numel = sum(p.numel() for p in engine.module.parameters())
+    out = {"rank": env.rank, "mode": args.mode, "world": env.world_size, "params": numel}
+    if args.resume_from is None:
+        x = torch.randint(0, 256, (2, 64))
+        logits = engine(x)
+        engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()))
+        engine.step()
+        del logits
+        comm.barrier(tag="measure").wait()
+        t0 = time.perf_counter()
+        with Peak() as save:
+            path = checkpoint.save(args.dir / args.mode, 1, engine)
+        out |= {"save_MiB": save.mib, "save_s": round(time.perf_counter() - t0, 2)}
+    else:
+        path = args.resume_from
+        comm.barrier(tag="measure").wait()
+        t0 = time.perf_counter()
+        with Peak() as load:
+            checkpoint.load(path, engine)
+        out |= {"resume_MiB": load.mib, "resume_s": round(time.perf_counter() - t0, 2)}
+    comm.barrier(tag="measure").wait()
+    if env.rank == 0:
+        del engine
+        t0 = time.perf_counter()
+        with Peak() as whole:
+            state = checkpoint.consolidate(path)
+            del state
+        out |= {"consolidate_MiB": whole.mib, "consolidate_s": round(time.perf_counter() - t0, 2)}
+        if args.export is not None:  # as export_hf.py writes it, --max-shard-size 100MB
+            from trainer.checkpoint.export import write_model
+
+            t0 = time.perf_counter()
+            with Peak() as export:
+                write_model(path, args.export, lambda k: k, lambda keys: keys[:1], None, 10**8)
+            out |= {"export_MiB": export.mib, "export_s": round(time.perf_counter() - t0, 2)}
+    print(json.dumps(out), flush=True)
+    tdist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
