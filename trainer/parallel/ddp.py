@@ -189,6 +189,12 @@ class DDPEngine(Engine):
             return [m.grad for b in self.buckets for m in b.masters if m.grad is not None], False
         return [b.grad for b in self.buckets], False
 
+    def _expert_group(self, p: nn.Parameter) -> Any:
+        """The EDP group of an expert parameter (pieces.ShardGroup.group), else None."""
+        if self.experts is None or not self.experts.holds(p):
+            return None
+        return self.experts.groups.edp
+
     def expert_grads(self) -> list[torch.Tensor]:
         grads, _ = self.grad_tensors()
         if self.experts is None:
@@ -230,6 +236,7 @@ class DDPEngine(Engine):
                 m,
                 [Piece(name, i, 0, m.numel(), m)],
                 False,
+                self._expert_group(p),
             )
             for i, (p, m) in enumerate(self._masters)
         ]
