@@ -590,9 +590,14 @@ class FSDPEngine(Engine):
             + [b.reduced for b in bufs if b.reduced is not None],
         }
 
+    def _expert_group(self, b: ShardedBuffer) -> Any:
+        """An expert buffer's EDP group (pieces.ShardGroup.group); None for the others,
+        sharded over the mode's own shard group."""
+        return b.mesh.shard if b.mesh is not self.mesh else None
+
     def shard_groups(self) -> list[ShardGroup]:
         # Rank r's slice of each buffer; the optimizer steps its pieces.
         return [
-            ShardGroup(b.names, b.layout, b.master, b.pieces, True, b.mesh.shard)
+            ShardGroup(b.names, b.layout, b.master, b.pieces, True, self._expert_group(b))
             for b in self._buffers()
         ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -221,9 +222,14 @@ class ZeroEngine(Engine):
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
         }
 
+    def _expert_group(self, b: ShardedBuffer) -> Any:
+        """An expert buffer's EDP group (pieces.ShardGroup.group); None for the others,
+        sharded over the mode's own shard group."""
+        return b.mesh.shard if b.mesh is not self.mesh else None
+
     def shard_groups(self) -> list[ShardGroup]:
         # Rank r's slice of each bucket; the optimizer steps its pieces.
         return [
-            ShardGroup(b.names, b.layout, b.master, b.pieces, True, b.mesh.shard)
+            ShardGroup(b.names, b.layout, b.master, b.pieces, True, self._expert_group(b))
             for b in self.buckets
         ]
