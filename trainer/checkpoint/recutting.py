@@ -47,13 +47,24 @@ class Checkpoint:
         self.layout = self.meta["layout"]
         self.indexes: dict[int, dict[str, Any]] = {}
         self.data: dict[int, stream.DataFile] = {}
-        # parameter name -> (saved group, offset in it, holders as (rank, start, end))
-        self.where: dict[str, tuple[int, int, list[tuple[int, int, int]]]] = {}
+        # parameter name -> its parts: (saved group, offset in it, first element of the
+        # parameter there, elements there, holders as (rank, start, end)); one part for a
+        # dense parameter, one per EP position for an expert one ([Note: expert groups in
+        # a checkpoint] in parallel/state.py)
+        self.where: dict[str, list[tuple[int, int, int, int, list[tuple[int, int, int]]]]] = {}
         for j, g in enumerate(self.layout["groups"]):
+            expert = g.get("expert")
             held_by = range(holders(self.layout)) if g["sharded"] else [0]
-            ranges = [(r, *g["ranges"][r]) for r in held_by]
-            for n, offset in zip(g["names"], g["offsets"], strict=True):
-                self.where[n] = (j, offset, ranges)
+            if expert is not None:
+                held_by = expert["writers"]
+            for n, offset, shape in zip(g["names"], g["offsets"], g["shapes"], strict=True):
+                numel = math.prod(shape)
+                if expert is None:
+                    self.where[n] = [(j, offset, 0, numel, [(r, *g["ranges"][r]) for r in held_by])]
+                    continue
+                for e in range(expert["ep_size"]):
+                    ranges = [(r, *g["ranges"][r]) for r in held_by if expert["ep_ranks"][r] == e]
+                    self.where.setdefault(n, []).append((j, offset, e * numel, numel, ranges))
 
     def open(self, ranks: set[int]) -> None:
         """Read and check the indexes of `ranks` and the sizes of their data files."""
@@ -69,13 +80,17 @@ class Checkpoint:
     def copies(self, name: str, start: int, end: int, at: int) -> list[Copy]:
         """The ranges that hold elements [start, end) of parameter `name`, which go to
         this rank's group at `at` onwards."""
-        j, offset, ranges = self.where[name]
-        a, b = offset + start, offset + end
         out = []
-        for r, lo, hi in ranges:
-            x, y = max(a, lo), min(b, hi)
-            if x < y:
-                out.append((r, j, x - lo, at + x - a, y - x))
+        for j, offset, first, numel, ranges in self.where[name]:
+            s, t = max(start, first), min(end, first + numel)
+            if s >= t:
+                continue
+            a, b = offset + s - first, offset + t - first  # in the saved group
+            dst = at + s - start
+            for r, lo, hi in ranges:
+                x, y = max(a, lo), min(b, hi)
+                if x < y:
+                    out.append((r, j, x - lo, dst + x - a, y - x))
         return out
 
     def read(self, rank: int, entry: str, start: int, out: torch.Tensor | None, n: int) -> None:
@@ -96,7 +111,7 @@ def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
     buffers = {k: tuple(module[k].shape) for k, name in mine["keys"] if name is None}
     _check_compatible(path / "meta.pt", meta, mine, buffers, type(engine.optimizer).__name__)
     rank = comm.rank()
-    plan = [_group_plan(ckpt, g, g["ranges"][rank]) for g in mine["groups"]]
+    plan = [_group_plan(ckpt, g, rank) for g in mine["groups"]]
     need = {c[0] for p in plan for c in p}
     need |= {0} if buffers else set()
     need |= {rank} if rank < saved["world_size"] else set()  # for its RNG states
@@ -153,14 +168,18 @@ def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
     return meta, load, rng
 
 
-def _group_plan(ckpt: Checkpoint, group: dict, my_range: list[int]) -> list[Copy]:
+def _group_plan(ckpt: Checkpoint, group: dict, rank: int) -> list[Copy]:
     """The ranges of the checkpoint that make this rank's range of `group`."""
-    lo, hi = my_range
+    lo, hi = group["ranges"][rank]
+    expert = group.get("expert")
     out: list[Copy] = []
     for name, shape, offset in zip(group["names"], group["shapes"], group["offsets"], strict=True):
-        a, b = max(offset, lo), min(offset + math.prod(shape), hi)
+        numel = math.prod(shape)
+        # where this rank's rows of an expert parameter begin in the full one
+        first = expert["ep_ranks"][rank] * numel if expert is not None else 0
+        a, b = max(offset, lo), min(offset + numel, hi)
         if a < b:
-            out += ckpt.copies(name, a - offset, b - offset, a - lo)
+            out += ckpt.copies(name, first + a - offset, first + b - offset, a - lo)
     return out
 
 
@@ -204,8 +223,13 @@ def _check_compatible(
 
 
 def _shapes(layout: dict) -> dict[str, tuple[int, ...]]:
+    """Every parameter's full shape (an expert parameter's over all experts)."""
     return {
-        n: tuple(s) for g in layout["groups"] for n, s in zip(g["names"], g["shapes"], strict=True)
+        n: tuple(s)
+        for g in layout["groups"]
+        for n, s in zip(
+            g["names"], g["expert"]["full_shapes"] if "expert" in g else g["shapes"], strict=True
+        )
     }
 
 
@@ -221,7 +245,8 @@ def holders(layout: dict) -> int:
 def _model_ranks(layout: dict) -> set[int]:
     """The ranks whose files hold the model: rank 0 and the first shard group."""
     sharded = any(g["sharded"] for g in layout["groups"])
-    return {0} | (set(range(holders(layout))) if sharded else set())
+    writers = {r for g in layout["groups"] if "expert" in g for r in g["expert"]["writers"]}
+    return {0} | (set(range(holders(layout))) if sharded else set()) | writers
 
 
 def model_tensors(path: Path, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -233,9 +258,7 @@ def model_tensors(path: Path, only: set[str] | None = None) -> Iterator[tuple[st
     try:
         layout = ckpt.layout
         shapes = _shapes(layout)
-        ckpt.open(
-            {0} | {r for g in layout["groups"] if g["sharded"] for r in range(holders(layout))}
-        )
+        ckpt.open(_model_ranks(layout))
         last: tuple[str | None, torch.Tensor | None] = (None, None)
         for key, name in layout["keys"]:
             if only is not None and key not in only:
@@ -248,7 +271,7 @@ def model_tensors(path: Path, only: set[str] | None = None) -> Iterator[tuple[st
                 value = last[1]
             else:
                 shape = shapes[name]
-                j, _, ranges = ckpt.where[name]
+                j, *_, ranges = ckpt.where[name][0]
                 dtype = ckpt.data[ranges[0][0]].entry(f"params/{j}")[0]
                 value = torch.empty(shape, dtype=dtype)
                 flat = value.reshape(-1)
@@ -274,7 +297,7 @@ def model_entries(path: Path) -> list[tuple[str, str | None, torch.dtype, tuple[
             dtype, shape = ckpt.meta["replicated"][key]
             out.append((key, None, stream.dtype_of(dtype), tuple(shape)))
         else:
-            j, _, ranges = ckpt.where[name]
+            j, *_, ranges = ckpt.where[name][0]
             dtype = ckpt.data[ranges[0][0]].entry(f"params/{j}")[0]
             out.append((key, name, dtype, shapes[name]))
     return out

@@ -7,6 +7,18 @@ each rank's range of it; checkpoint/recutting.py re-cuts groups of one layout in
 ([Note: re-cutting shards]). Optimizer state is kept per piece ([Note: per-parameter
 optimizer tensors] in pieces.py): per-element tensors laid out like the group, step
 counters by parameter name.
+
+[Note: expert groups in a checkpoint]
+With expert parallelism an expert group (parallel/experts.py) holds, on EP position e,
+rows [e*n/E, (e+1)*n/E) of each stacked expert parameter, sharded (zero, fsdp) over its
+EDP group: rank r holds slice r // E. Its layout entry keeps the local shapes and
+offsets, so that `ranges` are ranges of one rank's flat buffer as for dense groups, and
+adds `expert`: each parameter's full shape (all experts), each rank's EP position and the
+ranks that write it (every rank when sharded, the first EP group when not). Local
+element k of a parameter on EP position e is then element e*L + k of the full parameter
+(L its local numel: rows are the leading dimension, so a slice of rows is one range of
+elements), and a re-cut to another E or P reads the full parameter by ranges as it does
+a dense one (checkpoint/recutting.py).
 """
 
 from __future__ import annotations
@@ -16,7 +28,6 @@ from typing import Any
 
 import torch
 
-from trainer.errors import ConfigError
 from trainer.parallel.engine import Engine
 from trainer.parallel.pieces import ShardGroup
 
@@ -44,36 +55,40 @@ def _optimizer_entry(state: dict[Any, dict[str, Any]], g: ShardGroup) -> dict[st
 def shard_layout(engine: Engine) -> dict[str, Any]:
     """Mode, world size and, per group, the parameters' names, shapes and offsets in
     the flat buffer and each rank's range of it: what a checkpoint needs to re-cut."""
-    if engine.experts is not None:
-        # Expert groups hold other rows on every rank of an EP group: no range of one
-        # flat layout describes them. Refused rather than saved or re-cut wrongly.
-        raise ConfigError(
-            f"checkpoints of an expert-parallel engine (mode.expert_parallel="
-            f"{engine.experts.groups.ep_size}) are not supported yet; run with "
-            "mode.expert_parallel=1 to save or resume one"
-        )
     named = dict(engine.module.named_parameters())
     canonical: dict[int, str] = {}
     groups = []
     size = engine.mesh.shard_size  # ranks sharing one copy: rank r holds slice r % size
+    experts = engine.experts
     for g in engine.shard_groups():
         canonical.update({id(named[n]): n for n in g.names})
-        s = g.layout.padded_numel // size
-        ranges = [
-            [r % size * s, (r % size + 1) * s] if g.sharded else [0, g.layout.numel]
-            for r in range(engine.world_size)
-        ]
-        groups.append(
-            {
-                "names": list(g.names),
-                "shapes": [list(shape) for shape in g.layout.shapes],
-                "offsets": list(g.layout.offsets),
-                "numel": g.layout.numel,
-                "padded_numel": g.layout.padded_numel,
-                "sharded": g.sharded,
-                "ranges": ranges,
+        entry: dict[str, Any] = {
+            "names": list(g.names),
+            "shapes": [list(shape) for shape in g.layout.shapes],
+            "offsets": list(g.layout.offsets),
+            "numel": g.layout.numel,
+            "padded_numel": g.layout.padded_numel,
+            "sharded": g.sharded,
+        }
+        if g.group is None:
+            s = g.layout.padded_numel // size
+            entry["ranges"] = [
+                [r % size * s, (r % size + 1) * s] if g.sharded else [0, g.layout.numel]
+                for r in range(engine.world_size)
+            ]
+        else:  # [Note: expert groups in a checkpoint]
+            e, s = experts.groups.ep_size, g.layout.padded_numel // experts.groups.edp_size
+            entry["ranges"] = [
+                [r // e * s, (r // e + 1) * s] if g.sharded else [0, g.layout.numel]
+                for r in range(engine.world_size)
+            ]
+            entry["expert"] = {
+                "ep_size": e,
+                "full_shapes": [list(experts.full_shapes[n]) for n in g.names],
+                "ep_ranks": [r % e for r in range(engine.world_size)],
+                "writers": [r for r in range(engine.world_size) if g.sharded or r < e],
             }
-        )
+        groups.append(entry)
     # Every state_dict key, with the grouped parameter it names (tied weights: two keys,
     # one parameter), or None for tensors every rank keeps whole (buffers, frozen).
     keys = [[k, canonical.get(id(v))] for k, v in engine.module.state_dict(keep_vars=True).items()]
@@ -97,7 +112,7 @@ def sharded_state(engine: Engine) -> dict[str, Any]:
     groups, opt = engine.shard_groups(), engine.optimizer
     params, optim = [], []
     for g in groups:
-        held = engine.rank < engine.mesh.shard_size if g.sharded else engine.rank == 0
+        held = holds(engine, g)
         params.append(g.local.detach().reshape(-1).cpu().clone() if held else None)
         optim.append(_optimizer_entry(opt.state, g) if held else None)
     layout = shard_layout(engine)
@@ -124,7 +139,10 @@ def sharded_state(engine: Engine) -> dict[str, Any]:
 def holds(engine: Engine, g: ShardGroup) -> bool:
     """Whether this rank writes group `g`: unsharded groups by rank 0 alone (ddp writes
     its model once), sharded ones by the first shard group (its replicas hold the same
-    slices)."""
+    slices). An expert group's: the ranks of the first EP group when unsharded (ddp), as
+    they hold different experts ([Note: expert groups in a checkpoint])."""
+    if g.group is not None and not g.sharded:
+        return engine.rank < engine.experts.groups.ep_size
     return engine.rank < engine.mesh.shard_size if g.sharded else engine.rank == 0
 
 

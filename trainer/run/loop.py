@@ -122,7 +122,6 @@ class Run:
     # a language model's tokenizer for the evaluation sample (True: ids, no tokenizer);
     # None: not a language model
     sample_codec: Any = None
-    said_no_checkpoint: bool = False  # expert parallelism: checkpoints skipped, said once
 
 
 def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
@@ -254,23 +253,10 @@ def if_taken(stepped: bool | torch.Tensor, new: Any, old: Any) -> Any:
 
 
 def save_checkpoint(run: Run, step: int, force: bool) -> Path | None:
-    """A checkpoint at checkpoint steps, the last step and on a stop. Expert-parallel
-    runs write none (parallel/state.py refuses their layout): said once, at the first
-    step that would have saved; their final_model.pt is written as in every run."""
-    if run.engine.experts is None:
-        return checkpoint.maybe_save(
-            run.cfg, run.engine, run.run_dir, step, force=force, **run.resumable
-        )
-    every = run.cfg.ckpt.every
-    if force or step == run.cfg.train.steps or (every and step % every == 0):
-        if not run.said_no_checkpoint:
-            run.said_no_checkpoint = True
-            if run.env.is_rank0:
-                run.bar.write(
-                    "no checkpoint written: expert-parallel checkpoints "
-                    "(mode.expert_parallel>1) are not supported yet"
-                )
-    return None
+    """A checkpoint at checkpoint steps, the last step and on a stop."""
+    return checkpoint.maybe_save(
+        run.cfg, run.engine, run.run_dir, step, force=force, **run.resumable
+    )
 
 
 def is_check_step(cfg: DictConfig, step: int) -> bool:
