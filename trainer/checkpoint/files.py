@@ -4,7 +4,8 @@ One directory per checkpoint under `ckpt.dir` (default `<run dir>/checkpoints`):
 
     step_000120/
       meta.pt    step, config (YAML), layout (mode, world size, per group: parameter
-                 names, shapes, offsets, padded size, each rank's range), optimizer class
+                 names, shapes, offsets, padded size, each rank's range; an expert group
+                 also each parameter's full shape and each rank's EP position), optimizer class
                  and hyperparameters, sampler (and other) state, which buffers and frozen
                  parameters rank0.bin holds, checksum
       rank0.bin  this rank's data ([Note: streamed checkpoint files] in stream.py): its
