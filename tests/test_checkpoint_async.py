@@ -161,3 +161,28 @@ def test_sigterm_waits_for_an_async_write_and_leaves_it_complete(tmp_path):
     names = ["COMPLETE", "meta.pt", "rank0.bin", "rank0.pt", "rank1.bin", "rank1.pt"]
     assert sorted(p.name for p in ckpt.iterdir()) == names
     assert not list(ckpt.parent.glob("step_*.tmp-*"))
+
+
+def test_the_estimate_gives_the_host_copy_an_async_save_holds(tmp_path):
+    """scripts/estimate.py's async figure: the staging buffer plus rank 0's data file, to
+    within the 64-byte alignment of its entries."""
+    import json
+
+    run_dir = tmp_path / "run"
+    args = [*TINY, "mode=ddp", "train.steps=1", "ckpt.async=true"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    est = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "estimate.py"), "--world-size", "1", "--json",
+         *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert est.returncode == 0, est.stderr[-2000:]
+    save = json.loads(est.stdout)["ddp"]["checkpoint_save_bytes"]
+    assert save["sync"] == 64 * 2**20  # ckpt.buffer_mb
+    data = run_dir / "checkpoints" / "step_000001" / "rank0.bin"
+    n_entries = len(torch.load(data.with_suffix(".pt"), weights_only=True)["data"]["entries"])
+    assert 0 <= data.stat().st_size - (save["async"] - save["sync"]) < 64 * n_entries
