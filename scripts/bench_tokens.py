@@ -19,8 +19,10 @@ the ratios come from steps timed side by side. A step's time is the slowest rank
     *_compiled   with --compile: the same after trainer.models.compile.compile_layers(model)
                  (train.compile=true: each GPT block's forward through torch.compile)
 
-Same for all: trainer.models.builtin.GPT built from seed 0, AdamW(lr=1e-3) with PyTorch's
-default implementation, one fixed batch of windows per rank drawn from the token data
+Same for all: trainer.models.builtin.GPT built from seed 0 (`--nanogpt`: bias-free with a
+tied head, as model=nanogpt), AdamW(lr=1e-3) with PyTorch's default implementation
+(`--fused`: torch's fused AdamW, optim=adamw's default; `--bucket-mb`: ddp's and zero's
+buckets), one fixed batch of windows per rank drawn from the token data
 (`data=tokens`'s synthetic bigram sequences, or `--data DIR` read by
 trainer.data.tokens.TokenData as `data=token_file data.dir=DIR` reads it), `--threads`
 torch threads per rank. Columns: tokens/s = global tokens per step / median step time;
@@ -64,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=64, help="window (tokens per sample)")
     ap.add_argument("--vocab-size", type=int, default=256, help="of the synthetic tokens")
+    ap.add_argument("--nanogpt", action="store_true", help="model=nanogpt: no biases, tied head")
+    ap.add_argument(
+        "--fused", action="store_true", help="torch's fused AdamW (optim=adamw's default)"
+    )
+    ap.add_argument("--bucket-mb", type=float, help="ddp's and zero's bucket size")
     ap.add_argument("--data", type=Path, help="a token_file directory (default: synthetic)")
     ap.add_argument("--batch-per-rank", type=int, default=8, help="windows per rank and step")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
@@ -123,6 +130,8 @@ def make_model(args: argparse.Namespace, vocab: int) -> GPT:
         n_layer=args.n_layer,
         n_head=args.n_head,
         n_embd=args.n_embd,
+        tie_weights=args.nanogpt,
+        bias=not args.nanogpt,
     )
 
 
@@ -134,7 +143,7 @@ def build(name: str, args: argparse.Namespace, vocab: int, x, y) -> Built:
     base = name.removesuffix("_compiled")
     if name.endswith("_compiled"):
         compile_layers(model, args.backend)
-    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3, **({"fused": True} if args.fused else {}))
     if base == "floor":
         opt = adamw(model.parameters())
 
@@ -144,7 +153,8 @@ def build(name: str, args: argparse.Namespace, vocab: int, x, y) -> Built:
             opt.zero_grad()  # set_to_none, PyTorch's default
 
         return Built(step, opt, lambda: 0, lambda: 0.0)
-    engine = build_engine(model, base, adamw)
+    options = {} if args.bucket_mb is None or base == "fsdp" else {"bucket_mb": args.bucket_mb}
+    engine = build_engine(model, base, adamw, **options)
 
     def engine_step() -> None:
         forward_backward(engine, x, y, 1)
@@ -219,10 +229,13 @@ def rows(names, times, rounds, tokens: int, world_size: int) -> list[dict]:
 def markdown(result: dict) -> str:
     c = result["config"]
     first = result["launches"][0]
+    arch = ", nanoGPT's architecture (no biases, tied head)" if c.get("nanogpt") else ""
+    fused = " (fused)" if c.get("fused") else ""
+    buckets = "" if c.get("bucket_mb") is None else f", buckets of {c['bucket_mb']} MB"
     lines = [
         f"GPT {c['n_layer']} layers x {c['n_embd']} wide, {c['n_head']} heads, block "
-        f"{c['block_size']}, vocab {first['vocab_size']} (Ψ = {first['psi']:,}), "
-        f"{c['batch_per_rank']} windows per rank, AdamW, {c['rounds']} rounds x "
+        f"{c['block_size']}, vocab {first['vocab_size']} (Ψ = {first['psi']:,}){arch}, "
+        f"{c['batch_per_rank']} windows per rank, AdamW{fused}{buckets}, {c['rounds']} rounds x "
         f"{c['steps']} timed steps after {c['warmup']} untimed, {c['threads']} thread(s) "
         f"per rank, data: {c['data']}, torch {c['torch']}.",
         "",
@@ -267,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size")},
             **{k: getattr(args, k) for k in ("batch_per_rank", "steps", "warmup", "rounds")},
             "threads": args.threads,
+            **{k: getattr(args, k) for k in ("nanogpt", "fused", "bucket_mb")},
             "data": str(args.data) if args.data else "synthetic tokens (data=tokens)",
             "compile_backend": args.backend if args.compile else None,
             "torch": torch.__version__,

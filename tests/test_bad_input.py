@@ -8,7 +8,7 @@ from test_cli import run_cli
 CASES = [
     # (overrides, ranks (None: plain python), exit code, text the one error line holds)
     (["mode=foo"], None, 2, "mode=foo is not one of ddp"),
-    (["model=nope"], None, 2, "model=nope is not one of cnn, gpt, hf, mlp, resnet18"),
+    (["model=nope"], None, 2, "model=nope is not one of cnn, gpt, hf, mlp, nanogpt, resnet18"),
     (["data=imagenet"], None, 2, "data=imagenet is not one of"),
     (["optim=lion"], None, 2, "optim=lion is not one of adamw, sgd"),
     (["-m", "mode=ddp,bogus"], None, 2, "mode=bogus is not one of"),
@@ -160,6 +160,7 @@ def test_each_mode_and_optim_choice_composes_with_its_schema():
     from test_cli import ROOT
 
     from trainer.config import schema
+    from trainer.errors import ConfigError
     from trainer.run.optim import optimizer_factory
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -174,10 +175,17 @@ def test_each_mode_and_optim_choice_composes_with_its_schema():
             assert OmegaConf.get_type(cfg[group]) is node, (group, choice)
             if group == "optim":
                 # A null argument is not passed (fp16 may then build the optimizer
-                # fused); one given is.
-                assert {"fused", "foreach"} & optimizer_factory(cfg.optim).keywords.keys() == set()
-                cfg = compose("config", overrides=[f"optim={choice}", "optim.foreach=true"])
+                # fused); one given is. adamw is fused unless told otherwise.
+                given = {"fused", "foreach"} & optimizer_factory(cfg.optim).keywords.keys()
+                assert given == ({"fused"} if choice == "adamw" else set())
+                foreach = [f"optim={choice}", "optim.foreach=true", "optim.fused=null"]
+                cfg = compose("config", overrides=foreach)
                 assert optimizer_factory(cfg.optim).keywords["foreach"] is True
+                assert "fused" not in optimizer_factory(cfg.optim).keywords
+                cfg = compose("config", overrides=[f"optim={choice}", "optim.foreach=true"])
+                if choice == "adamw":  # both: one line, not torch's traceback at the build
+                    with pytest.raises(ConfigError, match="optim.fused=null to use foreach"):
+                        optimizer_factory(cfg.optim)
 
 
 @pytest.mark.parametrize(

@@ -104,3 +104,33 @@ def test_build_memory_smoke(tmp_path: Path) -> None:
         assert list(r["loss"]) == ["1"] and r["loss"]["1"] > 0, name
         assert f"train.py model={'gpt' if name == 'gpt' else 'hf'}" in r["command"], name
     assert "| hf pretrained | fsdp | meta |" in md.read_text()
+
+
+def test_bench_nanogpt_reads_nanogpts_output_and_spells_the_recipe(tmp_path: Path) -> None:
+    """scripts/bench_nanogpt.py without nanoGPT: the lines its train.py prints are read
+    (the last evaluation's val loss, the median iteration time after the first), and our
+    recipe composes with our config."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_nanogpt
+
+    printed = "\n".join(
+        [
+            "step 0: train loss 4.1676, val loss 4.1649",
+            "iter 0: loss 4.1877, time 900.00ms, mfu -100.00%",
+            "iter 1: loss 3.9000, time 40.00ms, mfu 0.01%",
+            "iter 2: loss 3.8000, time 50.00ms, mfu 0.01%",
+            "iter 3: loss 3.7000, time 44.00ms, mfu 0.01%",
+            "step 250: train loss 2.4293, val loss 2.4447",
+        ]
+    )
+    assert bench_nanogpt.nanogpt_figures(printed) == {"val_loss": 2.4447, "step_ms": 44.0}
+
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import schema  # noqa: F401  (registers the config's types)
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=bench_nanogpt.our_recipe(tmp_path, 500))
+    assert cfg.model.bias is False and cfg.model.tie_weights is True
+    assert list(cfg.optim.betas) == [0.9, 0.99] and cfg.optim.fused is True
+    assert (cfg.train.steps, cfg.train.eval_every, cfg.train.eval_batches) == (500, 250, 20)

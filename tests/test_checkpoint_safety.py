@@ -129,10 +129,10 @@ def test_full_disk_writing_a_file(tmp_path, monkeypatch):
 
 def test_full_disk_saving_the_final_model(tmp_path, monkeypatch):
     from trainer.errors import TrainingError
-    from trainer.run.loop import save_final_model
+    from trainer.run.final import save_final_model
 
     class Engine:
-        def full_state_dict(self):
+        def full_state_dict(self, rank0_only: bool = False):
             return {"w": torch.ones(4096)}
 
     _disk_full_after(monkeypatch, 100)

@@ -7,6 +7,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch import nn
 
 from trainer.data.datasets import make_loader, synthetic_classification, synthetic_tokens
 from trainer.errors import ConfigError
@@ -65,6 +66,24 @@ def test_gpt_tied_weights_share_one_tensor():
     n_tied = sum(p.numel() for p in tied.parameters())
     n_untied = sum(p.numel() for p in untied.parameters())
     assert n_untied - n_tied == tied.wte.weight.numel()
+
+
+def test_gpt_without_bias_is_nanogpts_architecture():
+    # nanoGPT's defaults (bias=False, tied head) at its CPU shakespeare_char sizes: its
+    # configure_optimizers reports 18 decayed tensors of 802,944 parameters and 9 others
+    # (the LayerNorm gains) of 1,152.
+    model = GPT(
+        vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, tie_weights=True, bias=False
+    )
+    params = list(model.parameters())
+    matrices = [p for p in params if p.ndim >= 2]
+    gains = [p for p in params if p.ndim < 2]
+    assert (len(matrices), sum(p.numel() for p in matrices)) == (18, 802_944)
+    assert (len(gains), sum(p.numel() for p in gains)) == (9, 1_152)
+    assert all(m.bias is None for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm)))
+    sizes = {k: v for k, v in model.model_config().items() if k != "model_type"}
+    assert GPT(**sizes).model_config() == model.model_config()  # what config.json rebuilds
+    assert model(torch.randint(65, (2, 64))).shape == (2, 64, 65)
 
 
 def test_loss_and_accuracy_on_both_shapes():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -51,8 +52,29 @@ def _run(tmp: Path, name: str, *args: str, nproc: int | None = None) -> Path:
 def test_gpt_on_own_text_resumes_bitwise_samples_and_exports(tmp_path, text_dir):
     data = f"data.dir={text_dir}"
     whole = _run(tmp_path, "whole", *GPT, data, "train.steps=8")
-    _run(tmp_path, "halves", *GPT, data, "train.steps=4")
-    halves = _run(tmp_path, "halves", *GPT, data, "train.steps=8", "resume=auto")
+    halves = _run(tmp_path, "halves", *GPT, data, "train.steps=4")
+
+    # Other text of the same length and characters (the same token count and vocabulary):
+    # refused in one line, the checkpoint left as it was ([Note: what the data is]).
+    checkpoints = halves / "checkpoints"
+    before = {p: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()}
+    (tmp_path / "other.txt").write_text(TEXT.translate(str.maketrans("12", "21")))
+    prepare([tmp_path / "other.txt"], tmp_path / "other", "char", 0.1)
+    args = [f"hydra.run.dir={halves}", *TRAIN, *GPT, f"data.dir={tmp_path / 'other'}"]
+    proc = run_cli([*args, "train.steps=8", "resume=auto"], None)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = [ln for ln in proc.stderr.replace("\r", "\n").splitlines() if "error" in ln]
+    assert (
+        f"error: {checkpoints / 'step_000004' / 'meta.pt'}: the token data "
+        f"{(tmp_path / 'other' / 'train.bin').resolve()} (" in line
+    ), line
+    assert f"trained on, {(text_dir / 'train.bin').resolve()} (" in line, line
+    assert {p: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()} == before
+
+    # The same tokens at another path resume: moved data is the same data.
+    moved = tmp_path / "moved"
+    shutil.copytree(text_dir, moved)
+    halves = _run(tmp_path, "halves", *GPT, f"data.dir={moved}", "train.steps=8", "resume=auto")
     a = torch.load(whole / "final_model.pt", weights_only=True)
     b = torch.load(halves / "final_model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the data position resumed exactly
@@ -166,6 +188,13 @@ def test_hf_run_exports_a_directory_from_pretrained_loads(tmp_path, text_dir):
     run = _run(
         tmp_path, "llama", *args, "mode=fsdp", "train.steps=4", "train.batch_size=8", nproc=2
     )
+    # The run's own final_model/ loads as it is (export_hf.py is for older runs)
+    final = torch.load(run / "final_model.pt", weights_only=True)
+    own = AutoModelForCausalLM.from_pretrained(run / "final_model")
+    assert own.state_dict().keys() == {k.removeprefix("hf.") for k in final}
+    assert all(torch.equal(v, final[f"hf.{k}"]) for k, v in own.state_dict().items())
+    assert (run / "final_model" / "meta.json").is_file()  # the tokenizer, for sample.py
+
     out = tmp_path / "llama_hf"
     export(run, out, max_shard_size="20KB")
     assert (out / "model.safetensors.index.json").is_file()  # split above --max-shard-size

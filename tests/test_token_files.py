@@ -16,7 +16,7 @@ import torch
 from trainer.data.datasets import make_loader
 from trainer.data.text import Bytes, Chars, codec_from_meta, hf_tokenizer
 from trainer.data.tokens import LLMC_HEADER, TokenData, WindowSampler, open_tokens, read_meta
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, NotResumable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -157,6 +157,44 @@ def test_resumed_sampler_continues_exactly_in_another_world_size():
     assert sum((next(iter(s)) for s in four), []) == two.starts(3).tolist()
     with pytest.raises(ConfigError, match="window=9 but this run has window=5"):
         WindowSampler(5000, 5, 8, 0, 1, seed=0).load_state_dict(state)
+
+
+def test_the_sampler_state_says_what_the_data_is(tmp_path):
+    ids = (np.arange(100_000) * 7919 % 50_000).astype(np.uint16)
+    ids.tofile(tmp_path / "train.bin")
+    saved = TokenData(dir=str(tmp_path), block_size=8).batch_sampler(4, 0, 1, seed=0)
+    state = saved.state_dict()
+    assert state["data"]["files"] == [str((tmp_path / "train.bin").resolve())]
+    assert state["data"]["tokens"] == 100_000
+
+    def sampler(path: str) -> WindowSampler:
+        return TokenData(path=path, block_size=8).batch_sampler(4, 0, 1, seed=0)
+
+    # The same ids elsewhere, as uint32, cut into two shards: the same data
+    (tmp_path / "copy").mkdir()
+    ids[:30_001].astype(np.uint32).tofile(tmp_path / "copy" / "a.bin")
+    ids[30_001:].astype(np.uint32).tofile(tmp_path / "copy" / "b.bin")
+    (tmp_path / "copy" / "meta.json").write_text(json.dumps({"dtype": "uint32"}))
+    same = sampler(str(tmp_path / "copy" / "*.bin"))
+    same.load_state_dict({**state, "step": 5})
+    assert same.step == 5
+    # One id changed in a piece the fingerprint reads; the count is the same
+    other = ids.copy()
+    other[-1] += 1
+    other.tofile(tmp_path / "other.bin")
+    with pytest.raises(NotResumable) as e:
+        sampler(str(tmp_path / "other.bin")).load_state_dict(state)
+    assert str(e.value) == (
+        f"the token data {(tmp_path / 'other.bin').resolve()} (100,000 tokens, fingerprint "
+        f"{sampler(str(tmp_path / 'other.bin')).data['fingerprint']}) is not the data the "
+        f"checkpoint was trained on, {(tmp_path / 'train.bin').resolve()} (100,000 tokens, "
+        f"fingerprint {state['data']['fingerprint']}): the data order would not continue; "
+        "resume with data.dir or data.path naming that data, or start a fresh run in a new "
+        "hydra.run.dir (without resume)"
+    )
+    # A state saved without the data's identity still loads (its count is checked)
+    old = {k: v for k, v in state.items() if k != "data"}
+    sampler(str(tmp_path / "other.bin")).load_state_dict(old)
 
 
 def test_loader_yields_the_sampler_windows(tmp_path):

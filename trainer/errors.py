@@ -5,6 +5,11 @@ class ConfigError(ValueError):
     """Bad configuration or input. The message names the value and what would be valid."""
 
 
+class NotResumable(ConfigError):
+    """The checkpoint is sound but this run's config or data cannot continue it: refused,
+    not skipped for an older checkpoint (which would have the same values)."""
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message names the step."""
 

@@ -24,7 +24,7 @@ from trainer import comm
 from trainer.checkpoint import agree, files
 from trainer.checkpoint.recutting import prepare
 from trainer.checkpoint.rng import set_rng_state
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, NotResumable
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -47,7 +47,8 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
     checkpoints, except in a group torchrun has restarted (TORCHELASTIC_RESTART_COUNT >
     0), which resumes as with auto. Values given on the command line win over the
     checkpoint's (optimizer hyperparameters, schedule, steps, train.grad_accum_steps); one
-    line names those that differ. A changed seed, dataset or train.batch_size is refused.
+    line names those that differ. A changed seed, dataset or train.batch_size is refused,
+    and so are other tokens ([Note: what the data is] in trainer/data/tokens.py).
     """
     check_config(cfg)
     choice = cfg.get("resume")
@@ -128,11 +129,6 @@ def _claim(directory: Path, lineage: str | None) -> str:
     except OSError as e:
         raise ConfigError(f"ckpt.dir {directory} is not writable: {e.strerror}") from None
     return lineage
-
-
-class NotResumable(ConfigError):
-    """The checkpoint is sound but this run's config cannot continue it: refused, not
-    skipped for an older checkpoint (which would have the same values)."""
 
 
 # Keys a resumed run must share with its checkpoint, and why. (`root` and `download` of
@@ -235,12 +231,20 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
     meta, load_into, rng = prepared
     refuse_changes(cfg, path, meta)  # every rank alike: the same files and config
     mine = _hparams(engine.optimizer)  # the values this run was built with
-    for name, obj in stateful.items():
+    refusal = None
+    for name, obj in stateful.items():  # the sampler first: it refuses other data
         if name in meta["state"]:
             try:
                 obj.load_state_dict(meta["state"][name])
             except ConfigError as e:
-                raise ConfigError(f"{path / 'meta.pt'}: {e}") from None
+                refusal = f"{path / 'meta.pt'}: {e}"
+                break
+    # A rank's data may differ from the others' (a copy per node): all refuse alike, and
+    # at once, since an older checkpoint of the same run would be refused the same way.
+    with comm.unaccounted():
+        refusal = agree.first_error(refusal, agree.device_of(engine))
+    if refusal is not None:
+        raise NotResumable(refusal)
     with comm.unaccounted():
         load_into(engine)  # [Note: re-cutting shards]: range by range, into its tensors
     _keep_hparams(engine.optimizer, mine, stateful.get("scheduler"))

@@ -23,11 +23,22 @@ the ranks' parts are disjoint, and their concatenation is the batch one process 
 Nothing depends on what came before, so the position is the step and nothing else: a
 resumed run (in any world size) continues bitwise. Evaluation reads the held-out tokens
 as consecutive windows, in order.
+
+[Note: what the data is]
+The position means something only on the same token stream, so the sampler's state
+holds what the training data is: its token count and a fingerprint, a hash of the ids
+of SAMPLE_PIECES pieces spread evenly over the stream (a few KB read, whatever the
+size). A resume refuses a stream whose count or fingerprint differs, whatever the
+config says. The paths are kept to name the data, not compared: the same tokens
+elsewhere (data moved to another disk, a copy per node, uint16 rewritten as uint32, the
+shards cut otherwise) draw the same windows, so they resume. An edit that no piece
+touches is not seen; other data is.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import pickle
 from collections.abc import Iterator
@@ -39,13 +50,14 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from trainer.data.text import read_tokenizer_file
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, NotResumable
 
 LLMC_MAGIC = {20240520: np.uint16, 20240801: np.uint32}  # llm.c's header magic -> token dtype
 LLMC_HEADER = 256  # int32 values before the tokens
 FORMATS = ("auto", "raw", "llmc", "npy")
 DTYPES = ("uint16", "uint32")
 TOKENIZERS = ("char", "bytes", "hf")  # what scripts/prepare_text.py writes
+SAMPLE_PIECES, SAMPLE_TOKENS = 64, 64  # what the fingerprint reads ([Note: what the data is])
 
 
 def open_tokens(path: Path, fmt: str = "auto", dtype: str | None = None) -> np.ndarray:
@@ -282,7 +294,24 @@ class TokenData(Dataset):
     def batch_sampler(
         self, global_batch: int, rank: int, world_size: int, seed: int
     ) -> WindowSampler:
-        return WindowSampler(self.tokens, self._window(), global_batch, rank, world_size, seed)
+        window = self._window()
+        sampler = WindowSampler(self.tokens, window, global_batch, rank, world_size, seed)
+        sampler.data = self.identity()
+        return sampler
+
+    def identity(self) -> dict[str, Any]:
+        """What the token stream is ([Note: what the data is]): its files (resolved), its
+        token count and the fingerprint of its ids."""
+        n = min(SAMPLE_TOKENS, self.tokens)
+        starts = np.linspace(0, self.tokens - n, SAMPLE_PIECES).astype(np.int64)  # (pieces,)
+        digest = hashlib.sha256()
+        for start in np.unique(starts):
+            digest.update(self.read(int(start), n).astype("<i8").tobytes())  # the ids, any dtype
+        return {
+            "files": [str(f.resolve()) for f in self.files],
+            "tokens": self.tokens,
+            "fingerprint": digest.hexdigest()[:16],
+        }
 
 
 def _files(
@@ -338,6 +367,7 @@ class WindowSampler(Sampler[list[int]]):
         self.rank, self.local = rank, global_batch // world_size
         self.seed = seed
         self.step = 0
+        self.data: dict[str, Any] | None = None  # what TokenData.identity() says
 
     def starts(self, step: int) -> np.ndarray:
         """The first token of each window of global batch `step`: (global_batch,)."""
@@ -361,13 +391,34 @@ class WindowSampler(Sampler[list[int]]):
             "global_batch": self.global_batch,
             "tokens": self.tokens,
             "window": self.window,
+            **({} if self.data is None else {"data": self.data}),
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at `state`'s position; refuses (NotResumable) another token stream
+        ([Note: what the data is]) or another cutting of it into batches."""
+        theirs, mine = state.get("data"), self.data
+        content = ("tokens", "fingerprint")  # not the files: [Note: what the data is]
+        if theirs is not None and mine is not None:  # (a state saved before: no data)
+            if any(theirs[k] != mine[k] for k in content):
+                raise NotResumable(
+                    f"the token data {_files_named(mine)} is not the data the checkpoint "
+                    f"was trained on, {_files_named(theirs)}: the data order would not "
+                    "continue; resume with data.dir or data.path naming that data, or start "
+                    "a fresh run in a new hydra.run.dir (without resume)"
+                )
         for key in ("seed", "global_batch", "tokens", "window"):
             if state.get(key) != getattr(self, key):
-                raise ConfigError(
+                raise NotResumable(
                     f"sampler state has {key}={state.get(key)} but this run has "
                     f"{key}={getattr(self, key)}; the data position cannot be resumed"
                 )
         self.step = int(state["step"])
+
+
+def _files_named(data: dict[str, Any]) -> str:
+    """`data`'s files, count and fingerprint in a few words: '/d/train.bin (1,024 tokens,
+    fingerprint 3f2a...)'."""
+    files = data["files"]
+    where = files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more files"
+    return f"{where} ({data['tokens']:,} tokens, fingerprint {data['fingerprint']})"

@@ -19,7 +19,6 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -153,13 +152,14 @@ class SmallCNN(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True) -> None:
         super().__init__()
         if n_embd % n_head != 0:
             raise ConfigError(f"GPT n_embd {n_embd} is not divisible by n_head {n_head}")
         self.n_head = n_head
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)  # query, key, value in one matmul
-        self.c_proj = nn.Linear(n_embd, n_embd)
+        # query, key, value in one matmul
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
@@ -174,10 +174,10 @@ class CausalSelfAttention(nn.Module):
 class FeedForward(nn.Module):
     """The transformer's position-wise MLP: expand 4x, GELU, project back."""
 
-    def __init__(self, n_embd: int) -> None:
+    def __init__(self, n_embd: int, bias: bool = True) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
-        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.gelu(self.c_fc(x)))  # (B, T, C)
@@ -186,12 +186,12 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = FeedForward(n_embd)
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = FeedForward(n_embd, bias)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
@@ -205,6 +205,9 @@ class GPT(nn.Module):
     `tie_weights=True` makes lm_head.weight the very same Parameter as wte.weight (as in
     GPT-2). A tied model has fewer parameters than named modules suggest, which the
     sharding code must handle by deduplicating parameters (`model.parameters()` does).
+    `bias=False` drops the biases of every Linear and LayerNorm (nanoGPT's default):
+    with `tie_weights=True` it is nanoGPT's architecture, with half as many tensors for
+    the optimizer to step (conf/model/nanogpt.yaml).
     """
 
     def __init__(
@@ -216,18 +219,19 @@ class GPT(nn.Module):
         n_embd: int = 64,
         tie_weights: bool = False,
         activation_checkpointing: bool = False,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         self.block_size = block_size
         self.activation_checkpointing = activation_checkpointing
         self._sizes = dict(
             vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-            n_embd=n_embd, tie_weights=tie_weights,
+            n_embd=n_embd, tie_weights=tie_weights, bias=bias,
         )  # fmt: skip
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(n_embd)
+        self.blocks = nn.ModuleList([Block(n_embd, n_head, bias) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
             self.lm_head.weight = self.wte.weight
@@ -288,6 +292,8 @@ def resnet18(num_classes: int = 10, activation_checkpointing: bool = False) -> n
 
     With activation checkpointing each residual block of layer1..layer4 is checkpointed;
     the state_dict keys stay torchvision's."""
+    import torchvision  # here, not at the top: it imports torch._dynamo (trainer/data/datasets.py)
+
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if activation_checkpointing:
         for name in ("layer1", "layer2", "layer3", "layer4"):

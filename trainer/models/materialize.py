@@ -62,12 +62,31 @@ def empty_weights() -> Iterator[None]:
 
     global _building_on_meta
     nn.Module.register_parameter = register_on_meta
+    inits = {name: getattr(nn.init, name) for name in _INITS}
+    for name, init in inits.items():
+        setattr(nn.init, name, _skipping_meta(init))
     outer, _building_on_meta = _building_on_meta, True
     try:
         yield
     finally:
         nn.Module.register_parameter = register
+        for name, init in inits.items():
+            setattr(nn.init, name, init)
         _building_on_meta = outer
+
+
+# torch.nn.init's in-place initialisers, which constructors call on the parameters they
+# have just registered (on meta, here): there is nothing to write. Skipped rather than run:
+# `normal_` on a meta tensor imports torch's Python meta kernels (and sympy with them),
+# 1.6 s of CPU once per process for a call that does nothing.
+_INITS = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+
+
+def _skipping_meta(init: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def skipped_on_meta(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return tensor if tensor.is_meta else init(tensor, *args, **kwargs)
+
+    return skipped_on_meta
 
 
 _building_on_meta = False

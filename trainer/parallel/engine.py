@@ -209,12 +209,16 @@ class Engine(ABC):
         self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded state with the keys of `module.state_dict()`, as CPU copies: fp32
         parameters from the masters, floating buffers in fp32. A collective in the modes
-        that shard: every rank must call it."""
-        whole = pieces.whole_values(self.shard_groups(), self.mesh.shard)
-        by_id = {id(p): whole[n] for n, p in self.module.named_parameters() if n in whole}
+        that shard: every rank must call it. `rank0_only`: gathered to rank 0 one group
+        at a time, {} on the other ranks ([Note: gathering to rank 0] in pieces.py)."""
+        named = dict(self.module.named_parameters())
+        whole = pieces.whole_values(self.shard_groups(), self.mesh, rank0_only)
+        by_id = {id(named[n]): t for n, t in whole}
+        if rank0_only and self.rank != 0:
+            return {}
         # buffers and frozen parameters: every rank holds them whole
         state = self.module.state_dict(keep_vars=True)
         return {k: by_id[id(v)] if id(v) in by_id else self.whole_copy(v) for k, v in state.items()}

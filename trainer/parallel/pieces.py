@@ -19,7 +19,7 @@ gradients are views into the shard's reduced gradient, handed out after each bac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from trainer import comm
+from trainer.comm.groups import Mesh
 from trainer.parallel.flat import FlatLayout
 
 
@@ -105,17 +106,43 @@ def param_groups(pairs: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> list[d
     return [groups[k] for k in sorted(groups, key=lambda k: (len(k), repr(k)))]
 
 
+# [Note: gathering to rank 0]
+# `full_state_dict(rank0_only=True)` (the name of FSDP's FullStateDictConfig option), which
+# writes the run's final model, gathers each sharded group, a zero bucket or an fsdp unit,
+# to rank 0 alone: a Gather within the first shard group, whose ranks hold one whole copy
+# ([Note: hybrid sharding] in comm/groups.py); rank 0 copies its tensors out before the
+# next group comes. The other ranks send the slices they already hold and allocate
+# nothing, where an AllGather would leave each with a whole copy: rank 0 holds what it
+# writes plus one group. Buffers and frozen parameters are copied by rank 0 alone; ddp's
+# rank 0 copies its own parameters and the others do nothing.
 @torch.no_grad()
-def whole_values(groups: Sequence[ShardGroup], group) -> dict[str, torch.Tensor]:
-    """Every parameter of `groups` whole, as CPU copies by name: a sharded group's slices
-    gathered over `group` in rank order (a collective: every rank of it calls this)."""
-    values = {}
+def whole_values(
+    groups: Sequence[ShardGroup], mesh: Mesh, rank0_only: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter of `groups` whole, as CPU copies by name, one group at a time: a
+    sharded group's slices gathered over the shard group in rank order (a collective:
+    every rank takes every item). `rank0_only`: to rank 0 alone, the other ranks get
+    nothing ([Note: gathering to rank 0])."""
+    rank = comm.rank()
+    keeps = rank == 0 or not rank0_only
     for g in groups:
-        flat = g.local.detach().reshape(-1)
+        if g.sharded and rank0_only and rank >= mesh.shard_size:
+            continue  # a replica: the first shard group holds the same slices
+        flat, full, slices = g.local.detach().reshape(-1), None, None
         if g.sharded:  # the shard group's slices of the fp32 masters, in rank order
-            full = flat.new_empty(g.layout.padded_numel)
-            comm.all_gather(full, flat, tag="state", group=group).wait()
+            full = flat.new_empty(g.layout.padded_numel) if keeps else None
+            if rank0_only:
+                slices = list(full.chunk(mesh.shard_size)) if keeps else None
+                comm.gather(flat, slices, dst=0, tag="state", group=mesh.shard).wait()
+            else:
+                comm.all_gather(full, flat, tag="state", group=mesh.shard).wait()
             flat = full
-        for name, view in zip(g.names, g.layout.views(flat), strict=True):
-            values[name] = view.cpu().clone()
-    return values
+        if keeps:
+            yield from _copies(g.names, g.layout.views(flat))
+        flat = full = slices = None  # before the next group is gathered
+
+
+def _copies(names: list[str], views: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    # A function of its own: no view of the gathered group outlives it.
+    for name, view in zip(names, views, strict=True):
+        yield name, view.to("cpu", copy=True)  # one copy, from CUDA too

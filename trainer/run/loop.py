@@ -32,6 +32,7 @@ from trainer.parallel import build_engine
 from trainer.parallel.engine import Engine
 from trainer.run import dist as tdist
 from trainer.run import preempt, rundir
+from trainer.run.final import save_final_model
 from trainer.run.fit import check_fit
 from trainer.run.guard import Guard
 from trainer.run.optim import lr_scheduler, optimizer_factory, param_options
@@ -355,7 +356,7 @@ def finish(run: Run) -> dict[str, Any]:
         **run.last_eval,
     }
     if cfg.train.save_final:
-        save_final_model(engine, run_dir / "final_model.pt", env.is_rank0)
+        save_final_model(engine, run_dir / "final_model.pt", env.is_rank0, run_dir / "model")
     run.writer.final(final)
     run.writer.close()
     run.owner.release()
@@ -389,13 +390,6 @@ def forward_backward(
         loss_sum = loss_sum + loss.detach()
         correct = correct + accuracy(logits, y) * y.numel()
     return loss_sum, correct
-
-
-def save_final_model(engine, path: Path, is_rank0: bool) -> None:
-    """The full model state_dict, loadable with plain torch.load(weights_only=True)."""
-    state = engine.full_state_dict()  # a collective in sharded modes: every rank calls it
-    if is_rank0:
-        checkpoint.write_file(path, state)  # never a half-written file under the final name
 
 
 def _eval_line(run: Run) -> str:

@@ -34,10 +34,16 @@ SCHEDULES = ("constant", "cosine")
 def optimizer_factory(optim: DictConfig) -> OptimizerFactory:
     """The optimizer partial from `optim`, the trainer's own keys removed, and the
     arguments left null (trainer/config/schema.py's `foreach`, `fused`): torch's own default
-    then, and fp16 free to build the optimizer fused (scaling.fused_for_scaling)."""
+    then, and fp16 free to build the optimizer fused (scaling.fused_for_scaling).
+    conf/optim/adamw.yaml sets `fused: true`."""
     kwargs = OmegaConf.to_container(optim, resolve=True)
     for key in TRAINER_KEYS:
         kwargs.pop(key, None)
+    if kwargs.get("foreach") and kwargs.get("fused"):  # torch's own error is a traceback
+        raise ConfigError(
+            "optim.foreach=true and optim.fused=true name two implementations; "
+            "set optim.fused=null to use foreach"
+        )
     return instantiate({k: v for k, v in kwargs.items() if v is not None})
 
 
