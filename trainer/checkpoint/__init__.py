@@ -3,11 +3,13 @@ consolidate into one state_dict. What they give a user: docs/checkpoints.md.
 
     start = checkpoint.maybe_resume(cfg, engine, run_dir, sampler=sampler)   # before the loop
     checkpoint.maybe_save(cfg, engine, run_dir, step, sampler=sampler)       # after each step
+    checkpoint.check_save(device)    # at check steps: commit an async save, or end on its error
 
   files.py      the directory and file format; checksummed writes, checked reads
   stream.py     tensors streamed to a data file in one buffer, ranges read back and
                 checked [Note: streamed checkpoint files]
   saving.py     every rank writes, rank 0 commits by a rename [Note: atomic checkpoints]
+  background.py the write on a thread, the commit on the main thread [Note: async save]
   resume.py     which checkpoint to resume, loading it into an engine [Note: run lineage]
   recutting.py  what a rank keeps, read range by range, in its layout or another
                 [Note: re-cutting shards]; the full model one tensor at a time
@@ -17,6 +19,9 @@ consolidate into one state_dict. What they give a user: docs/checkpoints.md.
   faults.py     kills and hangs at chosen points, for tests [Note: fault injection]
 """
 
+from trainer.checkpoint.background import check as check_save
+from trainer.checkpoint.background import drop as drop_save
+from trainer.checkpoint.background import finish as finish_save
 from trainer.checkpoint.files import (
     checkpoint_dir,
     find_checkpoints,
@@ -31,6 +36,9 @@ from trainer.checkpoint.saving import maybe_save, save
 
 __all__ = [
     "check_config",
+    "check_save",
+    "drop_save",
+    "finish_save",
     "checkpoint_dir",
     "consolidate",
     "find_checkpoints",

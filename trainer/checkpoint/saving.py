@@ -13,6 +13,7 @@ after: a kill while pruning never leaves a final-named partial checkpoint.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -20,10 +21,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import comm
-from trainer.checkpoint import agree, faults, files, stream
+from trainer.checkpoint import agree, background, faults, files, stream
 from trainer.checkpoint.rng import rng_state
 from trainer.errors import TrainingError
 from trainer.parallel import state as engine_state
@@ -37,7 +39,9 @@ def maybe_save(
 ) -> Path | None:
     """After optimizer step `step`: save every `ckpt.every` steps, at the last step, and
     when `force` (a stop on SIGTERM). `stateful` objects (the sampler, a scheduler) are
-    saved through their state_dict()."""
+    saved through their state_dict(). With `ckpt.async` the save is written in the
+    background ([Note: async save]), except at the last step and a stop, which wait for
+    it: nothing is left to overlap."""
     faults.fault("step", step)
     every, last = cfg.ckpt.every, cfg.train.steps
     if not force and step != last and not (every and step % every == 0):
@@ -45,7 +49,11 @@ def maybe_save(
     directory = files.checkpoint_dir(cfg, run_dir)
     config, keep = OmegaConf.to_yaml(cfg), cfg.ckpt.keep
     buffer_mb = cfg.ckpt.get("buffer_mb", DEFAULT_BUFFER_MB)
-    return save(directory, step, engine, config, keep, buffer_mb, **stateful)
+    in_background = bool(cfg.ckpt.get("async", False))
+    path = save(directory, step, engine, config, keep, buffer_mb, in_background, **stateful)
+    if in_background and (force or step == last):
+        background.finish()
+    return path
 
 
 def save(
@@ -55,15 +63,20 @@ def save(
     config: str = "",
     keep: int = 0,
     buffer_mb: float = DEFAULT_BUFFER_MB,
+    in_background: bool = False,
     **stateful: Any,
 ) -> Path:
     """Write checkpoint `step` under `directory`; every rank calls it ([Note: atomic
     checkpoints]). Each rank streams its state from the live tensors through at most one
     staging buffer of `buffer_mb` ([Note: streamed checkpoint files]). Returns once the
-    checkpoint is complete and visible to every rank."""
+    checkpoint is complete and visible to every rank; `in_background`: once this rank's
+    state is copied to the host, the write and commit following ([Note: async save]).
+    A save still pending is finished first."""
+    background.finish()  # a second save waits for the first
     buffer_bytes = max(stream.BLOCK, int(buffer_mb * 2**20))
     directory, rank = Path(directory), comm.rank()
     final = files.step_dir(directory, step)
+    device = agree.device_of(engine)
     with comm.unaccounted():
         name: list[Any] = [None]
         if rank == 0:
@@ -77,23 +90,23 @@ def save(
         if isinstance(name[0], OSError):
             raise TrainingError(str(name[0]))
         tmp = Path(name[0])
-        error = None
+        save_id = tmp.name.rsplit("-", 1)[1]
+
+        def failed(e: Exception) -> str:
+            return f"rank {rank} could not write its part of checkpoint {final}: {agree.line(e)}"
+
+        def commit(error: str | None) -> None:
+            _agree_and_commit(tmp, final, error, device, directory, keep, step, save_id)
+
+        write, error = None, None
         try:
-            save_id = tmp.name.rsplit("-", 1)[1]
             layout = engine_state.shard_layout(engine)
             header = {"format": files.FORMAT, "id": save_id, "step": step, "layout": layout}
             # [Note: streamed checkpoint files]: the live tensors, through one buffer
             planned, scalars = engine_state.data_to_write(engine)
             entries = [stream.Entry(*e) for e in planned]
-            data_path = tmp / f"rank{rank}.bin"
-            index = files.write_data(
-                data_path,
-                entries,
-                buffer_bytes,
-                halfway=lambda: faults.fault("save", step, data_path),
-            )
-            shard = {"rank": rank, "data": index, "scalar": scalars, "rng": rng_state()}
-            files.write(tmp / f"rank{rank}.pt", {**header, **shard})
+            shard = {"rank": rank, "scalar": scalars, "rng": rng_state()}
+            meta = None
             if rank == 0:
                 replicated = [e for e in entries if e.name.startswith(REPLICATED)]
                 meta = {
@@ -107,24 +120,66 @@ def save(
                         e.name[len(REPLICATED) :]: [stream.dtype_name(e.dtype), e.shape]
                         for e in replicated
                     },
-                    "state": {k: obj.state_dict() for k, obj in stateful.items()},
+                    # a copy: training goes on changing these while an async save writes
+                    "state": copy.deepcopy({k: obj.state_dict() for k, obj in stateful.items()}),
                 }
-                files.write(tmp / "meta.pt", meta)
-        except Exception as e:  # every rank must learn of it, or the others would wait
-            error = f"rank {rank} could not write its part of checkpoint {final}: {agree.line(e)}"
-        error = agree.first_error(error, agree.device_of(engine))
-        if error is not None:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise TrainingError(error)
-        if rank == 0:
-            # Every rank's file is written and fsynced (the agreement above): mark it.
-            marker = {"step": step, "id": save_id, "run": files.lineage(directory)}
-            files.write_text(tmp / files.MARKER, json.dumps(marker))
-            _commit(tmp, final)
-            _prune(directory, keep, step)
-        comm.barrier(tag="checkpoint").wait()
+            if in_background:  # [Note: async save]: a host copy, then training goes on
+                host = background.host_buffer(stream.planned_bytes(entries), device.type == "cuda")
+                entries = stream.stage_entries(entries, host)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()  # the copy is complete
+
+            def write() -> str | None:
+                try:
+                    data_path = tmp / f"rank{rank}.bin"
+                    index = files.write_data(
+                        data_path,
+                        entries,
+                        buffer_bytes,
+                        halfway=lambda: faults.fault("save", step, data_path),
+                    )
+                    files.write(tmp / f"rank{rank}.pt", {**header, **shard, "data": index})
+                    if meta is not None:
+                        files.write(tmp / "meta.pt", meta)
+                except Exception as e:  # every rank must learn of it, or the others would wait
+                    return failed(e)
+                return None
+
+        except Exception as e:
+            error = failed(e)
+        if in_background:
+            background.start(background.Pending(write if error is None else None, commit, error))
+            return final
+        if error is None:
+            error = write()
+        commit(error)
     return final
+
+
+def _agree_and_commit(
+    tmp: Path,
+    final: Path,
+    error: str | None,
+    device: torch.device,
+    directory: Path,
+    keep: int,
+    step: int,
+    save_id: str,
+) -> None:
+    """Every rank's files are written (or the first failure is raised on every rank); rank 0
+    then marks, renames and prunes. Main thread only: collectives."""
+    error = agree.first_error(error, device)
+    if error is not None:
+        if comm.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingError(error)
+    if comm.rank() == 0:
+        # Every rank's file is written and fsynced (the agreement above): mark it.
+        marker = {"step": step, "id": save_id, "run": files.lineage(directory)}
+        files.write_text(tmp / files.MARKER, json.dumps(marker))
+        _commit(tmp, final)
+        _prune(directory, keep, step)
+    comm.barrier(tag="checkpoint").wait()
 
 
 def _commit(tmp: Path, final: Path) -> None:

@@ -76,6 +76,29 @@ def _aligned(pos: int) -> int:
     return -(-pos // ALIGN) * ALIGN
 
 
+def stage_entries(entries: list[Entry], host: torch.Tensor) -> list[Entry]:
+    """`entries` copied into `host` (uint8, at least planned_bytes(entries)) laid out as
+    the data file will be, each as one contiguous CPU tensor of its dtype: what an async
+    save writes while training goes on ([Note: async save] in checkpoint/background.py).
+    Zero segments are filled; casts happen in the copy."""
+    staged, pos = [], 0
+    for e in entries:
+        pos = _aligned(pos)
+        out = host[pos : pos + e.nbytes].view(e.dtype)
+        i = 0
+        for s in e.segments:
+            if isinstance(s, int):
+                out[i : i + s].zero_()
+                i += s
+            else:
+                n = s.numel()
+                out[i : i + n].copy_(s.detach().reshape(-1), non_blocking=True)
+                i += n
+        staged.append(Entry(e.name, e.dtype, e.shape, [out]))
+        pos += e.nbytes
+    return staged
+
+
 def write_entries(
     path: Path,
     entries: list[Entry],

@@ -44,12 +44,20 @@ class Dist:
     timeout_s: int = 600  # whole seconds: dist.py names it as given
 
 
-@dataclass
-class Ckpt:
+class _Ckpt:  # made a dataclass below
     every: int = 500
     dir: str | None = None
     keep: int = 2
     buffer_mb: float = 64.0
+
+
+# `ckpt.async` ([Note: async save] in trainer/checkpoint/background.py): `async` is a
+# Python keyword, so the field is added by name (read as cfg.ckpt["async"]), and the class
+# has no generated __init__, __repr__ or __eq__ (their code could not name it); OmegaConf
+# needs none.
+_Ckpt.__annotations__["async"] = "bool"
+setattr(_Ckpt, "async", False)
+Ckpt = dataclass(init=False, repr=False, eq=False)(_Ckpt)
 
 
 @dataclass

@@ -195,6 +195,19 @@ def max_model_state(p: Plan, precision: Precision, opt: OptimizerState) -> dict[
     return max(ranks, key=lambda d: sum(d.values()))
 
 
+def checkpoint_data_bytes(p: Plan, opt: OptimizerState) -> int:
+    """Bytes of rank 0's checkpoint data file (`rank0.bin`, [Note: streamed checkpoint
+    files]), the largest: the fp32 values of every group it writes (its slice; ddp's whole
+    model, written once) and the optimizer's per-element state laid out like them. An
+    async save holds a host copy of it ([Note: async save]). Buffers are not counted, as
+    in the model state; entries start at 64-byte multiples (a few bytes more each)."""
+    total = 0
+    for f in p.flat_buffers:
+        n = f.layout.shard_size(p.shard) if p.sharded else f.layout.padded_numel
+        total += int(n * (4 + opt.per_element))  # fp32 values (the masters where mixed)
+    return total
+
+
 def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
     """Bytes a step holds beyond the model state and the activations, at their peak.
 

@@ -71,6 +71,15 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
             )
     if any("alternative" in f for f in figs):
         lines.append("+ckpt / -ckpt: the same with model.activation_checkpointing switched")
+    if all("checkpoint_save_bytes" in f for f in figs):
+        saves = [(mode, f["checkpoint_save_bytes"]) for mode, f in result.items()]
+        name, size = _unit(max(s["async"] for _, s in saves))
+        each = ", ".join(f"{m} {s['async'] / size:.2f}" for m, s in saves)
+        lines.append(
+            f"checkpoint save, extra host memory per rank in {name}: "
+            f"sync {saves[0][1]['sync'] / size:.2f} (ckpt.buffer_mb); async, with a host copy "
+            f"of the rank's data file: {each}"
+        )
     return "\n".join(lines)
 
 

@@ -86,6 +86,11 @@ def estimate(
             fig["shard_group_size"] = s
         if model is not None and experts.moe_shape(model) is not None:
             fig["experts"] = _experts(cfg, model, mode, world, precision)
+        # a save's extra host memory per rank: the staging buffer, and with ckpt.async a
+        # host copy of the rank's data file besides ([Note: async save])
+        staging = int(cfg.ckpt.buffer_mb * 2**20)
+        data = layout.checkpoint_data_bytes(plan, opt)
+        fig["checkpoint_save_bytes"] = {"sync": staging, "async": staging + data}
         # [Note: the build peak] in layout.py: to the first step, ordinary and meta build
         fig["build_peak_bytes"] = layout.build_peak(plan, precision, world, *built)
         if passes is None:  # model states only

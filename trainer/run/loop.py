@@ -67,13 +67,20 @@ def train_in_group(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     """The run, in a process group already set up (`train` sets it up and takes it down);
     returns what `finish` returns."""
     run = build_run(cfg, env)
+    try:
+        return _train_steps(cfg, run)
+    finally:
+        checkpoint.drop_save()  # a write still pending on an error: joined, not committed
+
+
+def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
     start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
     if run.guard.check(preempt.requested())[1]:  # signalled during set-up: stop here
         raise preempt.Stopped.before_training(preempt.signal_name(), start)
     run.bar.update(start)
     comm.stats.reset()
     run.engine.train()
-    with maybe_profile(cfg.profile, run.run_dir, env.rank) as prof:
+    with maybe_profile(cfg.profile, run.run_dir, run.env.rank) as prof:
         for step in range(start + 1, cfg.train.steps + 1):
             train_step(run, step)
             checked = is_check_step(cfg, step)  # checkpoints are saved at check steps only
@@ -278,6 +285,8 @@ def check_step(run: Run, step: int) -> bool:
             f"loss is not finite at step {first_bad}; lower optim.lr, or set "
             "train.on_nonfinite=skip to skip such steps"
         )
+    # an async save: committed once written, its failure raised ([Note: async save])
+    checkpoint.check_save(run.env.device)
     return stop
 
 

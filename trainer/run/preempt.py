@@ -10,8 +10,9 @@ sync]): no extra collective and no host sync in the steps between. One more such
 reduction right before the first step stops a run signalled during its set-up with
 nothing new to save. A signal that reaches one rank only (a rank-only `kill`) stops
 every rank at the next check step. With SLURM's `--signal=TERM@120`, `train.log_every`
-steps must take well under 120 s. The run then finishes that step, writes a checkpoint,
-and rank 0 prints one line; the process exits with EXIT_CODE, so a job script can tell
+steps must take well under 120 s. The run then finishes that step, writes a checkpoint
+(with `ckpt.async`, waiting for its write and commit: [Note: async save]), and rank 0
+prints one line; the process exits with EXIT_CODE, so a job script can tell
 "stopped with a checkpoint, requeue me" from a failure.
 
 A launcher (`launcher.nproc`) has no step to finish: before its workers start, a signal
