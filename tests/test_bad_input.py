@@ -8,7 +8,12 @@ from test_cli import run_cli
 CASES = [
     # (overrides, ranks (None: plain python), exit code, text the one error line holds)
     (["mode=foo"], None, 2, "mode=foo is not one of ddp"),
-    (["model=nope"], None, 2, "model=nope is not one of cnn, gpt, hf, mlp, nanogpt, resnet18"),
+    (
+        ["model=nope"],
+        None,
+        2,
+        "model=nope is not one of cnn, gpt, gpt_moe, hf, mlp, nanogpt, resnet18",
+    ),
     (["data=imagenet"], None, 2, "data=imagenet is not one of"),
     (["optim=lion"], None, 2, "optim=lion is not one of adamw, sgd"),
     (["-m", "mode=ddp,bogus"], None, 2, "mode=bogus is not one of"),

@@ -147,10 +147,10 @@ def plan(model: nn.Module, e: int, shard_group_size: int | None = None) -> Exper
     parameters then). Refuses in one line a value that does not divide both the world
     size and every layer's number of experts, a model without experts, and hybrid
     sharding."""
-    p = comm.world_size()
-    modules = expert_modules(model)
     if e == 1 and not isinstance(e, bool):
         return None
+    p = comm.world_size()
+    modules = expert_modules(model)
     if not modules:
         check_expert_parallel(e, p)
         raise ConfigError(
