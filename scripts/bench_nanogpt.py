@@ -18,6 +18,9 @@ The recipe is the one nanoGPT's README gives for a CPU: 4 layers x 4 heads x 128
 betas (0.9, 0.99), weight decay 0.1 on matrices only, gradient clipping at 1.0, dropout
 0, evaluation every 250 steps over 20 batches. Ours runs it as `model=nanogpt` (nanoGPT's
 bias-free, tied architecture) with each option spelled in our config (`our_recipe`).
+Evaluation costs both tools the same forwards: nanoGPT evaluates 20 batches of the
+training split and 20 of the validation split, ours 40 batches of the validation split
+(it evaluates held-out data only).
 
 Runs, each a fresh process timed from start to exit (start-up included):
     nanogpt        nanoGPT's train.py, one process, `--threads` torch threads
@@ -28,8 +31,12 @@ Each round runs every contender once, the order rotated from round to round, so 
 machine's drift hits all alike; ratios are taken within a round. Columns: wall s (median
 over rounds), per step ms (nanoGPT: median of its printed iteration times; ours: median
 of perf/step_time_s over the log intervals), the last val loss each printed (nanoGPT's
-at iteration 2000, on 20 random batches; ours at step 2000, on the first 20 batches of
-the held-out set), and the ratio of wall times to nanoGPT's of the same round.
+at iteration 2000, on 20 random batches; ours at step 2000, on the first 40 batches of
+the held-out set), the loss of each final model on every window of val.bin (`full val`,
+the same 1,716 windows of 64 predictions for both: a 20-batch figure moves by about 0.01
+from one draw of batches to the next; nanoGPT's model from the `ckpt.pt` it keeps, read
+with the checkout's own model.py), and the ratio of wall times to nanoGPT's of the same
+round.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ def our_recipe(data_dir: Path, steps: int) -> list[str]:
         "model=nanogpt", "model.block_size=64", "model.n_layer=4", "model.n_head=4",
         "model.n_embd=128", "data=token_file", f"data.dir={data_dir}",
         "train.batch_size=12", f"train.steps={steps}", f"train.eval_every={eval_every(steps)}",
-        "train.eval_batches=20", "optim.lr=1e-3", "optim.betas=[0.9,0.99]",
+        "train.eval_batches=40", "optim.lr=1e-3", "optim.betas=[0.9,0.99]",
         "optim.weight_decay=0.1", "optim.no_decay_bias_norm=true", "optim.clip_grad_norm=1.0",
         "optim.schedule=cosine", "optim.warmup_steps=100", "optim.min_lr_ratio=0.1",
     ]  # fmt: skip
@@ -182,7 +189,48 @@ def run_one(name: str, args: argparse.Namespace, data: Path, run_dir: Path) -> d
             f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
         )
     figures = nanogpt_figures(proc.stdout) if name == "nanogpt" else our_figures(run_dir)
-    return {"wall_s": wall, "load_1min": load, **figures}
+    full = full_val_loss(name, args, data, run_dir)
+    return {"wall_s": wall, "load_1min": load, **figures, **full}
+
+
+def full_val_loss(name: str, args: argparse.Namespace, data: Path, run_dir: Path) -> dict:
+    """The final model's mean loss over every window of val.bin (block + 1 tokens, side by
+    side), after the run and outside its wall time. nanoGPT's model is its `ckpt.pt` (the
+    best evaluation's, so `full_val_iter` says which), built by the checkout's model.py."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    val = np.memmap(data / "val.bin", dtype=np.uint16, mode="r")
+    window = 65  # block 64 + the last target
+    n = len(val) // window
+    seqs = torch.from_numpy(np.asarray(val[: n * window]).astype(np.int64)).view(n, window)
+    if name == "nanogpt":
+        sys.path.insert(0, str(args.nanogpt.absolute()))
+        from model import GPT as NanoGPT  # the checkout's own, imported where it lies
+        from model import GPTConfig
+
+        saved = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
+        model = NanoGPT(GPTConfig(**saved["model_args"]))
+        model.load_state_dict(saved["model"])
+        at = int(saved["iter_num"])
+
+        def logits(x: torch.Tensor) -> torch.Tensor:
+            return model(x, x)[0]  # with targets it returns every position's logits
+    else:
+        from trainer.models.lm import run_model
+
+        model, _, _ = run_model(run_dir)
+        at = args.steps
+        logits = model
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for batch in seqs.split(256):  # (b, 65)
+            out = logits(batch[:, :-1].contiguous())  # (b, 64, vocab)
+            targets = batch[:, 1:].reshape(-1)
+            total += F.cross_entropy(out.flatten(0, 1), targets, reduction="sum").item()
+    return {"full_val_loss": total / (n * (window - 1)), "full_val_iter": at}
 
 
 def nanogpt_figures(stdout: str) -> dict:
@@ -225,7 +273,8 @@ def run(args: argparse.Namespace) -> dict:
             runs[n].append(result)
             print(
                 f"round {r} {n:14s} {result['wall_s']:7.1f} s  {result['step_ms']:6.1f} ms/step"
-                f"  val loss {result['val_loss']:.4f}  load {result['load_1min']:.2f}",
+                f"  val loss {result['val_loss']:.4f}  full val {result['full_val_loss']:.4f}"
+                f" (at {result['full_val_iter']})  load {result['load_1min']:.2f}",
                 flush=True,
             )
     return {
@@ -248,6 +297,7 @@ def rows(names: list[str], runs: dict[str, list[dict]]) -> list[dict]:
             "wall_s": statistics.median(r["wall_s"] for r in rs),
             "step_ms": statistics.median(r["step_ms"] for r in rs),
             "val_loss": statistics.median(r["val_loss"] for r in rs),
+            "full_val_loss": statistics.median(r["full_val_loss"] for r in rs),
             "load_1min": [r["load_1min"] for r in rs],
         }
         if "nanogpt" in runs and n != "nanogpt":
@@ -264,8 +314,9 @@ def markdown(result: dict) -> str:
         f"{max(1, result['threads'] // result['nproc'])} each), {result['cpus']} CPUs, "
         f"our data from {result['data']}",
         "",
-        "| run | wall s | / nanoGPT (per round) | per step ms | val loss | load (1 min) |",
-        "|---|---:|---:|---:|---:|---|",
+        "| run | wall s | / nanoGPT (per round) | per step ms | val loss | full val "
+        "| load (1 min) |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         ratio = "–"
@@ -275,7 +326,7 @@ def markdown(result: dict) -> str:
         load = ", ".join(f"{x:.1f}" for x in r["load_1min"])
         lines.append(
             f"| {r['contender']} | {r['wall_s']:.1f} | {ratio} | {r['step_ms']:.1f} | "
-            f"{r['val_loss']:.4f} | {load} |"
+            f"{r['val_loss']:.4f} | {r['full_val_loss']:.4f} | {load} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -133,4 +133,4 @@ def test_bench_nanogpt_reads_nanogpts_output_and_spells_the_recipe(tmp_path: Pat
         cfg = compose("config", overrides=bench_nanogpt.our_recipe(tmp_path, 500))
     assert cfg.model.bias is False and cfg.model.tie_weights is True
     assert list(cfg.optim.betas) == [0.9, 0.99] and cfg.optim.fused is True
-    assert (cfg.train.steps, cfg.train.eval_every, cfg.train.eval_batches) == (500, 250, 20)
+    assert (cfg.train.steps, cfg.train.eval_every, cfg.train.eval_batches) == (500, 250, 40)
