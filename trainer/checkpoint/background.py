@@ -15,7 +15,7 @@ The writer thread does local file I/O only: `rank{r}.bin`, `rank{r}.pt` and rank
 with the training collectives of the same group. The commit of [Note: atomic checkpoints]
 (agree that every rank's files are written, then rank 0's marker, rename and prune) runs
 on the main thread, at one of these points, which every rank reaches alike:
-- a check step (loop.py's `is_check_step`): one small AllReduce counts the ranks still
+- a check step (loop.py's `Every.check`): one small AllReduce counts the ranks still
   writing and those whose write failed; when all are done the save is committed, when one
   failed every rank ends the run with that rank's one line; else training goes on;
 - the next save, which first waits for this one's write and commits it (a second save waits

@@ -80,14 +80,15 @@ def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
     run.bar.update(start)
     comm.stats.reset()
     run.engine.train()
+    every = run.every
     with maybe_profile(cfg.profile, run.run_dir, run.env.rank) as prof:
-        for step in range(start + 1, cfg.train.steps + 1):
+        for step in range(start + 1, every.steps + 1):
             train_step(run, step)
-            checked = is_check_step(cfg, step)  # checkpoints are saved at check steps only
+            checked = every.check(step)  # checkpoints are saved at check steps only
             stop = check_step(run, step) if checked else False
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if every.log(step):
                 log_metrics(run, step)
-            evals = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
+            evals = every.eval(step)
             # eval and checkpoints between log points stay out of the step time
             with run.metrics.untimed() if checked or evals else nullcontext():
                 if evals:
@@ -95,9 +96,43 @@ def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
                 path = save_checkpoint(run, step, stop)
             run.bar.update(1)
             prof.step()
-            if stop and step < cfg.train.steps:
+            if stop and step < every.steps:
                 raise preempt.Stopped.at_step(step, path, preempt.signal_name())
     return finish(run)
+
+
+@dataclass(frozen=True)
+class Every:
+    """The loop's step counts, read from the config once: an OmegaConf lookup costs tens
+    of microseconds, about 1% of a small model's step when the loop asks a dozen times."""
+
+    steps: int
+    log_every: int
+    eval_every: int  # 0: never
+    ckpt_every: int  # 0: at the last step only
+    grad_accum_steps: int
+    skip_nonfinite: bool
+    clip: float  # 0: no clipping
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> Every:
+        train = cfg.train
+        return cls(
+            int(train.steps), int(train.log_every), int(train.eval_every or 0),
+            int(cfg.ckpt.every or 0), int(train.grad_accum_steps),
+            train.on_nonfinite == "skip", float(cfg.optim.clip_grad_norm or 0.0),
+        )  # fmt: skip
+
+    def log(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.steps
+
+    def eval(self, step: int) -> bool:
+        return bool(self.eval_every) and step % self.eval_every == 0
+
+    def check(self, step: int) -> bool:
+        """Log steps, checkpoint steps and the last step: where the ranks compare notes."""
+        every = self.ckpt_every
+        return self.log(step) or bool(every and step % every == 0)
 
 
 @dataclass
@@ -122,6 +157,7 @@ class Run:
     # decides on the device whether a step is taken)
     lr: float | torch.Tensor
     guard: Guard  # non-finite losses and stop requests (guard.py)
+    every: Every  # the step counts of the config
     skipped: int = 0  # steps skipped for a non-finite loss
     tokens_per_step: int = 0  # global tokens per step of a language model (0: not one)
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
@@ -206,7 +242,7 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     }
     run = Run(
         cfg, env, run_dir, owner, engine, scheduler, batches, eval_loader, writer, metrics,
-        bar, resumable, lr, Guard(env.device),
+        bar, resumable, lr, Guard(env.device), Every.of(cfg),
     )  # fmt: skip
     if getattr(model, "model_config", None) is not None:  # a language model: sampled
         model_dir = run_dir / "model"
@@ -218,19 +254,18 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
 def train_step(run: Run, step: int) -> None:
     """One optimizer step, or a skipped one. No host reads in a steady step: see
     [Note: checking the loss without a host sync] in guard.py."""
-    cfg, engine = run.cfg, run.engine
+    engine, every = run.engine, run.every
     run.metrics.start_step()  # the interval's first step syncs once: [Note: timing steps]
     inputs, targets = (t.to(run.env.device, non_blocking=True) for t in next(run.batches))
-    loss, correct = forward_backward(engine, inputs, targets, cfg.train.grad_accum_steps)
-    if cfg.train.on_nonfinite == "skip":
+    loss, correct = forward_backward(engine, inputs, targets, every.grad_accum_steps)
+    if every.skip_nonfinite:
         if not run.guard.finite_now(loss):
             engine.zero_grad()  # drop this step's gradients on every rank alike
             run.skipped += 1
             return
     else:
         run.guard.note(loss, step)
-    clip = cfg.optim.clip_grad_norm
-    grad_norm = engine.clip_grad_norm_(clip) if clip else None
+    grad_norm = engine.clip_grad_norm_(every.clip) if every.clip else None
     lr = run.scheduler.get_last_lr()[0]  # the lr this step uses
     # True, or False where fp16 gradients overflowed (no update, the loss scale lowered);
     # in fp16 a device flag, handed on unread ([Note: dynamic loss scaling])
@@ -263,16 +298,6 @@ def save_checkpoint(run: Run, step: int, force: bool) -> Path | None:
     """A checkpoint at checkpoint steps, the last step and on a stop."""
     return checkpoint.maybe_save(
         run.cfg, run.engine, run.run_dir, step, force=force, **run.resumable
-    )
-
-
-def is_check_step(cfg: DictConfig, step: int) -> bool:
-    """Log steps, checkpoint steps and the last step: where the ranks compare notes."""
-    every = cfg.ckpt.every
-    return (
-        step % cfg.train.log_every == 0
-        or step == cfg.train.steps
-        or bool(every and step % every == 0)
     )
 
 
