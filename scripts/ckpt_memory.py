@@ -21,9 +21,12 @@ safetensors in shards of 100 MB (what export_hf.py writes). Run it for two sizes
 growth between them: fixed overheads cancel. Prints one JSON line per rank.
 
 A resume against a fresh start, as a run sees it: `--fresh` builds the engine and takes
-one step (`run_MiB`: the peak of build and step, above RssAnon before the build), and
-`--resume-from CKPT --step` builds it, loads CKPT and takes one step (`run_MiB`: the
-peak of all three); the bound is the growth of their difference between two sizes.
+two steps (`run_MiB`: the peak of build and steps, above RssAnon before the build), and
+`--resume-from CKPT --step` builds it, loads CKPT and takes two steps (`run_MiB`: the
+peak of all of it); the bound is the growth of their difference between two sizes. Two
+steps, since a fresh run's first runs its forward and backward before the optimizer
+state exists (its first `step()` allocates it): from the second on, every step of a
+fresh run holds what a resumed run holds from its first.
 
     ... --mode zero --fresh --dir /tmp/ck                               # zero x 2 fresh
     ... --mode zero --resume-from /tmp/ck/fsdp/step_000001 --step --dir /tmp/ck
@@ -110,11 +113,11 @@ def main() -> None:
     parser.add_argument("--export", type=Path, default=None, help="also export to this dir")
     parser.add_argument("--async", dest="in_background", action="store_true", help="async save")
     parser.add_argument("--shard-group-size", type=int, default=None, help="fsdp: hybrid")
-    parser.add_argument("--fresh", action="store_true", help="build and one step: run_MiB")
-    parser.add_argument("--step", action="store_true", help="with --resume-from: then a step")
+    parser.add_argument("--fresh", action="store_true", help="build and two steps: run_MiB")
+    parser.add_argument("--step", action="store_true", help="with --resume-from: two steps")
     args = parser.parse_args()
     if args.step and args.resume_from is None:
-        parser.error("--step takes a step after --resume-from's load")
+        parser.error("--step takes steps after --resume-from's load")
 
     from trainer import checkpoint, comm
     from trainer.run import dist as tdist
@@ -129,6 +132,7 @@ def main() -> None:
         out["shard_group_size"] = args.shard_group_size
     if args.fresh:
         _step(engine)
+        _step(engine)  # the steady step: the optimizer state alive through it
         run.__exit__()
         print(json.dumps(out | {"run": "fresh", "run_MiB": run.mib}), flush=True)
         tdist.shutdown()
@@ -158,6 +162,7 @@ def main() -> None:
         out |= {"resume_MiB": load.mib, "resume_s": round(time.perf_counter() - t0, 2)}
         if args.step:
             _step(engine)
+            _step(engine)  # as --fresh
             run.__exit__()
             out |= {"run": "resumed", "run_MiB": run.mib}
         else:
