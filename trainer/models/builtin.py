@@ -266,8 +266,12 @@ class GPT(nn.Module):
 
     def _scale_residual(self, module: nn.Module) -> None:
         # GPT-2 scales the residual output projections by 1/sqrt(2 * n_layer) so the
-        # residual stream's variance does not grow with depth.
-        if any(module is b.attn.c_proj or module is b.mlp.c_proj for b in self.blocks):
+        # residual stream's variance does not grow with depth: every block's attention
+        # projection, and the MLP's where the block has a dense one (GPT-MoE's experts
+        # keep their own init).
+        projections = [b.attn.c_proj for b in self.blocks]
+        projections += [b.mlp.c_proj for b in self.blocks if isinstance(b, Block)]
+        if any(module is c for c in projections):
             std = 0.02 / math.sqrt(2 * len(self.blocks))
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
@@ -280,9 +284,13 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) broadcast
         for block in self.blocks:
-            x = checkpointed(block, x) if self.activation_checkpointing else block(x)
-            # (B, T, C)
+            x = self._run_block(block, x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+
+    def _run_block(self, block: nn.Module, x: Tensor) -> Tensor:
+        """One block's output (B, T, C), recomputed in backward with activation
+        checkpointing."""
+        return checkpointed(block, x) if self.activation_checkpointing else block(x)
 
 
 # --------------------------------------------------------------------------------------
@@ -408,30 +416,18 @@ class GPTMoE(GPT):
             module.reset_parameters()
         super().init_module(module)
 
-    def _scale_residual(self, module: nn.Module) -> None:
-        if any(module is b.attn.c_proj for b in self.blocks) or any(
-            isinstance(b, Block) and module is b.mlp.c_proj for b in self.blocks
-        ):
-            std = 0.02 / math.sqrt(2 * len(self.blocks))
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-
     def forward(self, idx: Tensor) -> Tensor:
-        B, T = idx.shape
-        if T > self.block_size:
-            raise ConfigError(
-                f"sequence length {T} is longer than GPT block_size {self.block_size}"
-            )
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
-        aux = torch.zeros((), device=idx.device)
-        for block in self.blocks:
-            out = checkpointed(block, x) if self.activation_checkpointing else block(x)
-            if isinstance(block, MoEBlock):
-                out, a = out
-                aux = aux + a
-            x = out  # (B, T, C)
-        self.aux_loss = self.aux_loss_coef * aux
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        self._aux = torch.zeros((), device=idx.device)  # summed by _run_block
+        logits = super().forward(idx)  # (B, T, vocab_size)
+        self.aux_loss = self.aux_loss_coef * self._aux
+        return logits
+
+    def _run_block(self, block: nn.Module, x: Tensor) -> Tensor:
+        out = super()._run_block(block, x)
+        if isinstance(block, MoEBlock):  # (B, T, C) and its load-balancing loss ()
+            out, aux = out
+            self._aux = self._aux + aux
+        return out  # (B, T, C)
 
 
 def expert_loads(model: nn.Module) -> list[Tensor]:
