@@ -169,14 +169,23 @@ def plan(model: nn.Module, e: int, shard_group_size: int | None = None) -> Exper
             "sharding with expert parallelism is not supported; set one of them to null/1"
         )
     groups = expert_groups(e)
-    owned = {id(m) for _, m in modules}
-    owners = param_owners(model)  # as model.named_parameters() names them
-    by_module = {name: m for name, m in modules}
-    named = [
-        (n, q) for n, q in model.named_parameters() if id(by_module.get(owners[id(q)][0])) in owned
-    ]
+    named = expert_parameters(model, modules)
     shapes = {n: q.shape for n, q in named}
     return ExpertPlan(groups, modules, [n for n, _ in named], [q for _, q in named], shapes)
+
+
+def expert_parameters(
+    model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of `model`'s experts modules (`expert_modules`), named as
+    `model.named_parameters()` names them (on meta too)."""
+    modules = expert_modules(model) if modules is None else modules
+    owned = {id(m) for _, m in modules}
+    owners = param_owners(model)
+    by_module = {name: m for name, m in modules}
+    return [
+        (n, q) for n, q in model.named_parameters() if id(by_module.get(owners[id(q)][0])) in owned
+    ]
 
 
 def shard(model: nn.Module, ep: ExpertPlan, source: Source | None, device: torch.device) -> None:
@@ -201,7 +210,12 @@ def shard(model: nn.Module, ep: ExpertPlan, source: Source | None, device: torch
             raise ConfigError("expert parameters on the meta device need a source")
         source.fill(model, [], requests, device)
     for p, values in zip(ep.params, local, strict=True):
-        swap_into(p, values)
+        if p.is_meta:
+            swap_into(p, values)
+        else:  # the same tensor keeps its hooks: hooks registered on a parameter before
+            # build_engine stay, and so do those registered after (a swapped tensor's
+            # post-accumulate-grad hooks never fire, the engine's own included)
+            p.data = values
     for _, m in ep.modules:
         if _hf_interface(m):
             use_ep_implementation(m)
