@@ -19,6 +19,18 @@ allocates too, is part of it: 8Ψ/P in zero and fsdp, 8Ψ in ddp); rank 0 then
 `consolidate`s the checkpoint (the model once, 4Ψ) and, with --export DIR, writes it as
 safetensors in shards of 100 MB (what export_hf.py writes). Run it for two sizes and read the
 growth between them: fixed overheads cancel. Prints one JSON line per rank.
+
+A resume against a fresh start, as a run sees it: `--fresh` builds the engine and takes
+two steps (`run_MiB`: the peak of build and steps, above RssAnon before the build), and
+`--resume-from CKPT --step` builds it, loads CKPT and takes two steps (`run_MiB`: the
+peak of all of it); the bound is the growth of their difference between two sizes. Two
+steps, since a fresh run's first runs its forward and backward before the optimizer
+state exists (its first `step()` allocates it): from the second on, every step of a
+fresh run holds what a resumed run holds from its first.
+
+    ... --mode zero --fresh --dir /tmp/ck                               # zero x 2 fresh
+    ... --mode zero --resume-from /tmp/ck/fsdp/step_000001 --step --dir /tmp/ck
+    ... --mode fsdp --shard-group-size 2 ...                            # hybrid
 """
 
 from __future__ import annotations
@@ -69,14 +81,26 @@ class Peak:
         return round((self.peak - self.start) / 2**20, 1)
 
 
-def _engine(args):
+def _engine(args):  # -> (engine, the model's parameter count)
     from trainer.models.builtin import GPT
     from trainer.parallel import build_engine
 
     torch.manual_seed(0)
     model = GPT(vocab_size=256, block_size=64, n_layer=args.n_layer, n_head=8, n_embd=args.n_embd)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-4, eps=1e-3)
-    return build_engine(model, args.mode, adamw)
+    options = {}
+    if args.shard_group_size is not None:  # hybrid sharding (fsdp)
+        options["shard_group_size"] = args.shard_group_size
+    numel = sum(p.numel() for p in model.parameters())  # fsdp's module keeps only slices
+    return build_engine(model, args.mode, adamw, **options), numel
+
+
+def _step(engine) -> None:
+    """One AdamW step on random tokens (its first allocates the optimizer state)."""
+    x = torch.randint(0, 256, (2, 64))
+    logits = engine(x)
+    engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()))
+    engine.step()
 
 
 def main() -> None:
@@ -88,22 +112,34 @@ def main() -> None:
     parser.add_argument("--resume-from", type=Path, default=None)
     parser.add_argument("--export", type=Path, default=None, help="also export to this dir")
     parser.add_argument("--async", dest="in_background", action="store_true", help="async save")
+    parser.add_argument("--shard-group-size", type=int, default=None, help="fsdp: hybrid")
+    parser.add_argument("--fresh", action="store_true", help="build and two steps: run_MiB")
+    parser.add_argument("--step", action="store_true", help="with --resume-from: two steps")
     args = parser.parse_args()
+    if args.step and args.resume_from is None:
+        parser.error("--step takes steps after --resume-from's load")
 
     from trainer import checkpoint, comm
     from trainer.run import dist as tdist
 
     torch.set_num_threads(1)
     env = tdist.init("gloo")
-    engine = _engine(args)
-    numel = sum(p.numel() for p in engine.module.parameters())
+    comm.barrier(tag="measure").wait()
+    run = Peak().__enter__()  # the whole run: build, [resume,] step
+    engine, numel = _engine(args)
     out = {"rank": env.rank, "mode": args.mode, "world": env.world_size, "params": numel}
+    if args.shard_group_size is not None:
+        out["shard_group_size"] = args.shard_group_size
+    if args.fresh:
+        _step(engine)
+        _step(engine)  # the steady step: the optimizer state alive through it
+        run.__exit__()
+        print(json.dumps(out | {"run": "fresh", "run_MiB": run.mib}), flush=True)
+        tdist.shutdown()
+        return
     if args.resume_from is None:
-        x = torch.randint(0, 256, (2, 64))
-        logits = engine(x)
-        engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()))
-        engine.step()
-        del logits
+        _step(engine)
+        run.__exit__()
         comm.barrier(tag="measure").wait()
         stalls, whole = [], []
         with Peak() as save:
@@ -124,6 +160,13 @@ def main() -> None:
         with Peak() as load:
             checkpoint.load(path, engine)
         out |= {"resume_MiB": load.mib, "resume_s": round(time.perf_counter() - t0, 2)}
+        if args.step:
+            _step(engine)
+            _step(engine)  # as --fresh
+            run.__exit__()
+            out |= {"run": "resumed", "run_MiB": run.mib}
+        else:
+            run.__exit__()
     comm.barrier(tag="measure").wait()
     if env.rank == 0:
         del engine

@@ -209,3 +209,22 @@ def train_engine_and_torch_ddp(
     """Our engine, then torch DDP, in one process group; returns both final state_dicts."""
     ours = train_engine(env, mode, kind, optim, steps, batch, accum, **options)
     return ours, train_torch_ddp(env, kind, optim, steps, batch, accum)
+
+
+def local_checkpoint_data(engine) -> tuple[dict[str, torch.Tensor], list]:
+    """What this rank's checkpoint file would hold (state.data_to_write: `params/i`,
+    `optim/i/k`, rank 0's `replicated/KEY`), as CPU tensors by entry name, and the
+    optimizer's other state (step counters) per group; no communication. For comparing
+    two engines' states without writing files."""
+    from trainer.parallel.state import data_to_write
+
+    entries, scalars = data_to_write(engine)
+    out = {}
+    for name, dtype, shape, segments in entries:
+        # an int segment is a run of zeros (no optimizer state there)
+        parts = [
+            torch.zeros(s, dtype=dtype) if isinstance(s, int) else s.reshape(-1).to("cpu", dtype)
+            for s in segments
+        ]
+        out[name] = torch.cat(parts).reshape(shape)
+    return out, scalars

@@ -51,7 +51,23 @@ CASES = {
 CASES["mlp"].append("mode.bucket_mb=1.1")
 # hybrid sharding: zero and fsdp shard over {0, 1} and {2, 3}, AllReduce across them
 CASES["mlp_hybrid"] = [*CASES["mlp"], "mode.shard_group_size=2"]
-RUNS = {1: ["mlp"], 2: ["gpt_ckpt", "gpt_bf16_accum"], 4: ["mlp_hybrid"]}
+# expert parallelism, E = 2: each rank holds 2 of the 4 experts of each layer, cut over
+# the P/E ranks of its expert-data-parallel group in zero and fsdp. The estimate has no
+# activations for an MoE (routing decides its shapes), so none are measured.
+CASES["gpt_moe_ep2"] = [
+    "model=gpt_moe",
+    "data=tokens",
+    "model.n_experts=4",
+    "model.n_layer=4",  # units enough for fsdp's two in flight, as in the GPT cases
+    "model.n_embd=128",
+    "mode.expert_parallel=2",
+    "train.batch_size=16",
+]
+RUNS = {
+    1: ["mlp"],
+    2: ["gpt_ckpt", "gpt_bf16_accum", "gpt_moe_ep2"],
+    4: ["mlp_hybrid", "gpt_moe_ep2"],
+}
 DEVICE = 80e9
 
 
@@ -230,7 +246,10 @@ def runs(request):
         cfgs = compose_modes(CASES[case], p)
         est = estimate(cfgs, cluster(p), DEVICE, alternative=False)
         todo += [(case, mode, cfg, est[mode]) for mode, cfg in cfgs.items()]
-    first = [i == 0 or todo[i - 1][0] != t[0] for i, t in enumerate(todo)]
+    first = [
+        (i == 0 or todo[i - 1][0] != t[0]) and "activation_bytes" in t[3]
+        for i, t in enumerate(todo)
+    ]
     measured = run_distributed(_measure, p, [t[2] for t in todo], first)
     return p, [(*t, [m[i] for m in measured]) for i, t in enumerate(todo)]
 
@@ -255,7 +274,8 @@ def test_traffic_is_byte_exact(runs):
             op: t["inside_node"] + t["across_nodes"]
             for op, t in est["traffic_bytes_per_step"].items()
         }
-        got = {op: b for op, b in measured[0]["traffic"].items() if b}
+        # the AllToAlls of token dispatch depend on the routing: not in the ring model
+        got = {op: b for op, b in measured[0]["traffic"].items() if b and op != "all_to_all"}
         assert {op: b for op, b in want.items() if b} == got, (case, mode)
         assert all(t["across_nodes"] == 0 for t in est["traffic_bytes_per_step"].values())
         # with shard groups, zero's and fsdp's only AllReduce goes across them
@@ -273,7 +293,7 @@ def test_activations_within_10pct_of_measured(runs):
             continue
         seen += 1
         assert abs(est["activation_bytes"] / got - 1) < 0.10, (case, est["activation_bytes"], got)
-    assert seen == len({c[0] for c in cases})
+    assert seen == len({c[0] for c in cases if "activation_bytes" in c[3]}) > 0
 
 
 def test_working_set_within_10pct_of_measured(runs):

@@ -36,7 +36,7 @@ from dist_harness import run_distributed
 from reference import assert_state_close
 
 from trainer.errors import ConfigError
-from trainer.models.builtin import GPTMoE, loss_fn
+from trainer.models.builtin import GPTMoE, loss_fn, update_expert_bias
 
 pytestmark = pytest.mark.slow  # starting ranks is most of it
 
@@ -61,9 +61,9 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _model(skew: bool = False, checkpointing: bool = False) -> GPTMoE:
+def _model(skew: bool = False, checkpointing: bool = False, bias: float = 0.0) -> GPTMoE:
     torch.manual_seed(0)
-    model = GPTMoE(**SIZES, activation_checkpointing=checkpointing)
+    model = GPTMoE(**SIZES, activation_checkpointing=checkpointing, bias_update_speed=bias)
     if skew:  # every token to experts 0 and 1: those of EP position 0 (E=2), 0 and 1 (E=4)
         with torch.no_grad():
             for b in model.blocks:
@@ -76,9 +76,11 @@ def _model(skew: bool = False, checkpointing: bool = False) -> GPTMoE:
 
 
 @functools.cache
-def _reference(skew: bool, optim: str, world: int, accum: int, clip: float) -> dict:
+def _reference(
+    skew: bool, optim: str, world: int, accum: int, clip: float, bias: float = 0.0
+) -> dict:
     """One process, no EP, the loss the P ranks define (module docstring)."""
-    model = _model(skew)
+    model = _model(skew, bias=bias)
     opt = OPTIMIZERS[optim](model.parameters())
     losses = []
     for x, y in _batches():
@@ -91,6 +93,7 @@ def _reference(skew: bool, optim: str, world: int, accum: int, clip: float) -> d
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        update_expert_bias(model)  # the whole batch's counts, as the P ranks sum theirs
         opt.zero_grad()
         losses.append(total)
     return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
@@ -98,12 +101,13 @@ def _reference(skew: bool, optim: str, world: int, accum: int, clip: float) -> d
 
 def _train(env, mode: str, e: int, optim: str = "sgd", accum: int = 1, clip: float = 0.0,
            skew: bool = False, checkpointing: bool = False, precision: str = "fp32",
-           options: dict | None = None) -> dict:  # fmt: skip
+           options: dict | None = None, delay_s: float = 0.0,
+           bias: float = 0.0) -> dict:  # fmt: skip
     from trainer import comm
     from trainer.parallel import build_engine
     from trainer.run.loop import forward_backward
 
-    model = _model(skew, checkpointing)
+    model = _model(skew, checkpointing, bias)
     opts = dict(options or (FSDP if mode == "fsdp" else {"bucket_mb": 0.0005}))
     engine = build_engine(
         model, mode, OPTIMIZERS[optim], precision=precision, expert_parallel=e, **opts
@@ -126,10 +130,12 @@ def _train(env, mode: str, e: int, optim: str = "sgd", accum: int = 1, clip: flo
     monitor = MemoryMonitor(engine, sum(q.numel() for q in _model().parameters()))
     losses = []
     for x, y in _batches():
-        loss, _ = forward_backward(engine, x.chunk(p)[r], y.chunk(p)[r], accum)
-        if clip:
-            engine.clip_grad_norm_(clip)
-        engine.step()
+        with comm.delayed(delay_s):  # a sleep before every collective (0: none)
+            loss, _ = forward_backward(engine, x.chunk(p)[r], y.chunk(p)[r], accum)
+            if clip:
+                engine.clip_grad_norm_(clip)
+            engine.step()
+            update_expert_bias(model)  # as the loop does after each step
         total = loss.detach().reshape(1).clone()
         comm.all_reduce(total, average=True).wait()
         losses.append(total.item())
@@ -137,9 +143,10 @@ def _train(env, mode: str, e: int, optim: str = "sgd", accum: int = 1, clip: flo
     memory = monitor.gather()  # rank 0: measured (max over ranks) and the formula
     state = engine.full_state_dict()
     loads = [b.moe.load.tolist() for b in model.blocks]  # the last forward's, this rank
+    biases = [b.moe.expert_bias.clone() for b in model.blocks if bias]  # this rank's
     return {
         "losses": losses, "state": state if r == 0 else None, "held": held, "loads": loads,
-        "memory": memory,
+        "memory": memory, "biases": biases,
     }  # fmt: skip
 
 
@@ -163,6 +170,14 @@ CASES.update({
     "ddp-p2-e2-skew": (2, {"mode": "ddp", "e": 2, "skew": True}),
     "fsdp-p4-e4-skew": (4, {"mode": "fsdp", "e": 4, "skew": True}),
     "zero-p4-e2-skew": (4, {"mode": "zero", "e": 2, "skew": True}),
+    # comm.delayed: a sleep before every collective, AllToAlls included (test_overlap.py)
+    "ddp-p2-e2-delayed": (2, {"mode": "ddp", "e": 2, "delay_s": 0.01}),
+    "zero-p4-e2-delayed": (4, {"mode": "zero", "e": 2, "delay_s": 0.01}),
+    "fsdp-p4-e2-delayed": (4, {"mode": "fsdp", "e": 2, "delay_s": 0.01}),
+    # DeepSeek-V3's routing bias ([Note: aux-loss-free load balancing] in builtin.py);
+    # 0.01 per step moves the choice of this small model's near-uniform router at once
+    "ddp-p2-e2-bias": (2, {"mode": "ddp", "e": 2, "bias": 0.01}),
+    "fsdp-p4-e2-bias": (4, {"mode": "fsdp", "e": 2, "bias": 0.01, "accum": 2}),
 })  # fmt: skip
 
 
@@ -391,6 +406,7 @@ def test_equal_to_one_process(name: str) -> None:
         world,
         kw.get("accum", 1),
         kw.get("clip", 0.0),
+        kw.get("bias", 0.0),
     )
     torch.testing.assert_close(got[0]["losses"], want["losses"], atol=1e-5, rtol=1e-4)
     assert_state_close(got[0]["state"], want["state"])
@@ -398,6 +414,35 @@ def test_equal_to_one_process(name: str) -> None:
         for g in got:
             for load in g["loads"]:
                 assert load[2:] == [0.0, 0.0] and load[0] > 0 and load[1] > 0
+
+
+@pytest.mark.parametrize("name", ["ddp-p2-e2", "zero-p4-e2", "fsdp-p4-e2"])
+def test_delay_before_each_collective_changes_nothing(name: str) -> None:
+    """A sleep before every collective (comm.delayed; the AllToAlls of dispatch, their
+    reverses in backward, the EDP reductions) gives the same bits as no delay: a wait
+    missing anywhere would let a rank read a buffer before its collective filled it."""
+    for plain, delayed in zip(_got(name), _got(f"{name}-delayed"), strict=True):
+        assert plain["losses"] == delayed["losses"]
+        for k, v in (plain["state"] or {}).items():
+            assert torch.equal(v, delayed["state"][k]), k
+
+
+@pytest.mark.parametrize("name", ["ddp-p2-e2-bias", "fsdp-p4-e2-bias"])
+def test_expert_bias_is_rank_identical_and_equal_to_one_process(name: str) -> None:
+    """The routing bias of every rank, after every step's update from the global counts,
+    is the same on every rank and bitwise the one process's (whole counts summed, the
+    same sign steps); it moved, and the choice it makes differs from the probabilities'
+    alone (the final weights, equal to one process, are in test_equal_to_one_process)."""
+    world, kw = CASES[name]
+    want = _reference(False, "sgd", world, kw.get("accum", 1), 0.0, kw["bias"])["state"]
+    got = _got(name)
+    for i in range(SIZES["n_layer"]):
+        key = f"blocks.{i}.moe.expert_bias"
+        assert want[key].abs().sum() > 0, key  # not still zeros
+        for g in got:
+            assert torch.equal(g["biases"][i], want[key]), (key, g["biases"][i], want[key])
+    plain = _reference(False, "sgd", world, kw.get("accum", 1), 0.0)["losses"]
+    assert got[0]["losses"][-1] != plain[-1]  # the bias changed what the model trained
 
 
 def _expert_numel() -> int:
@@ -499,6 +544,19 @@ def test_config_refuses_bad_expert_parallel() -> None:
     check_expert_parallel(2, 4, 8)
 
 
+def test_expert_bias_refusals_are_one_line() -> None:
+    """model.bias_update_speed: a negative speed, and a precision that would cast its
+    fp32 bias buffer ([Note: aux-loss-free load balancing])."""
+    from trainer.estimate import compose_modes
+
+    with pytest.raises(ConfigError, match=r"bias_update_speed=-0.1 must be >= 0"):
+        GPTMoE(**SIZES, bias_update_speed=-0.1)
+    base = ["model=gpt_moe", "data=tokens", "model.bias_update_speed=0.001"]
+    with pytest.raises(ConfigError, match="use precision=fp32 or model.bias_update_speed=0"):
+        compose_modes([*base, "precision=bf16"], 2)
+    compose_modes(base, 2)  # fp32: accepted
+
+
 @pytest.mark.parametrize("name", list(HF_CASES))
 def test_mixtral_by_path_equal_to_one_process(name: str) -> None:
     """A directory from MixtralForCausalLM(cfg).save_pretrained (one tensor per expert)
@@ -522,7 +580,8 @@ def test_command_line_gpt_moe(tmp_path) -> None:
     """model=gpt_moe with mode.expert_parallel=2 from the command line: TensorBoard has
     the aux loss, the expert load and the AllToAll bytes; final_model.pt holds every
     expert in the model's stacked layout; the last step's checkpoint is written
-    (tests/test_checkpoint_experts.py resumes them)."""
+    (tests/test_checkpoint_experts.py resumes them). With DeepSeek-V3's routing bias on:
+    the loop updates it after every step, and the saved model holds it."""
     import subprocess
     import sys
     from pathlib import Path
@@ -534,7 +593,7 @@ def test_command_line_gpt_moe(tmp_path) -> None:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(root / "train.py"), "model=gpt_moe", "data=tokens", "mode=zero",
          "mode.expert_parallel=2", "model.n_experts=4", "train.steps=6", "train.log_every=3",
-         "train.batch_size=8", f"run.root={tmp_path}"],
+         "train.batch_size=8", "model.bias_update_speed=0.001", f"run.root={tmp_path}"],
         capture_output=True, text=True, timeout=240, cwd=root,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -545,6 +604,8 @@ def test_command_line_gpt_moe(tmp_path) -> None:
     assert tags["comm/bytes_per_step/all_to_all"][-1][1] > 0
     state = torch.load(run_dir / "final_model.pt", weights_only=True)
     assert state["blocks.0.moe.experts.w_in"].shape == (4, 64, 256)
+    bias = state["blocks.0.moe.expert_bias"]  # 6 steps of +-0.001 each
+    assert bias.abs().max() > 0 and bias.abs().max() <= 6 * 0.001 + 1e-6
     assert [p.name for p in run_dir.glob("checkpoints/step*")] == ["step_000006"]
 
 

@@ -48,7 +48,16 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import CTX, free_port, worker
-from reference import IN, OUT, OddMLP, WithBatchNorm, any_loss, assert_state_close, rank_slice
+from reference import (
+    IN,
+    OUT,
+    OddMLP,
+    WithBatchNorm,
+    any_loss,
+    assert_state_close,
+    local_checkpoint_data,
+    rank_slice,
+)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -877,11 +886,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _local_state(engine) -> list:
-    """This rank's parameters and optimizer state, with no communication."""
-    from trainer.parallel.state import sharded_state
-
-    s = sharded_state(engine)
-    return [s["params"], s["optim"], s["replicated"]]
+    """This rank's parameters and optimizer state as a checkpoint would write them, with
+    no communication."""
+    return list(local_checkpoint_data(engine))
 
 
 # ---------------------------------------------------------------------------------------

@@ -56,6 +56,9 @@ def say(message: str) -> None:
         tqdm.write(message)  # above the progress bar, not through it
 
 
-def line(e: BaseException) -> str:
+def line(e: BaseException, limit: int = 400) -> str:
+    """The first line of an error's message, for a one-line report; a line longer than
+    `limit` (a library's paragraph) is cut, visibly."""
     text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
+    first = text[0] if text else type(e).__name__
+    return first if len(first) <= limit else first[:limit] + " [...]"

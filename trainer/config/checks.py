@@ -107,7 +107,15 @@ def _validate_precision(cfg: DictConfig) -> None:
     from trainer.parallel.precision import Precision
     from trainer.parallel.scaling import LossScaler
 
-    Precision.of(cfg.get("precision", "fp32"), cfg.mode.get("reduce_dtype", "fp32"))
+    precision = cfg.get("precision", "fp32")
+    Precision.of(precision, cfg.mode.get("reduce_dtype", "fp32"))
+    if cfg.model.get("bias_update_speed") and precision != "fp32":
+        # [Note: aux-loss-free load balancing] in models/builtin.py: an fp32 buffer
+        raise ConfigError(
+            f"model.bias_update_speed={cfg.model.bias_update_speed} keeps its expert bias "
+            f"in fp32, which precision={precision} would cast: use precision=fp32 or "
+            "model.bias_update_speed=0"
+        )
     options = OmegaConf.to_container(cfg.get("loss_scale") or {})
     known = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
     for key in options:

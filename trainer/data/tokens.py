@@ -13,26 +13,6 @@ Formats, told apart per file (`data.format=auto`) or named (`raw`, `llmc`, `npy`
 - npy: a 1-D integer `.npy` array (build-nanogpt's shards).
 
 Several files (`data.path` as a glob) read as one stream, in sorted order.
-
-[Note: windows drawn from the step]
-Training step s takes `global_batch` windows of block_size + 1 tokens (inputs, then the
-targets one token on), drawn from `np.random.default_rng([seed, s])` alone: a random
-shift, then distinct windows of the grid that starts there, so the windows of one step
-share no token. Rank r takes windows [r*b, (r+1)*b) of the step, b = global_batch / P:
-the ranks' parts are disjoint, and their concatenation is the batch one process draws.
-Nothing depends on what came before, so the position is the step and nothing else: a
-resumed run (in any world size) continues bitwise. Evaluation reads the held-out tokens
-as consecutive windows, in order.
-
-[Note: what the data is]
-The position means something only on the same token stream, so the sampler's state
-holds what the training data is: its token count and a fingerprint, a hash of the ids
-of SAMPLE_PIECES pieces spread evenly over the stream (a few KB read, whatever the
-size). A resume refuses a stream whose count or fingerprint differs, whatever the
-config says. The paths are kept to name the data, not compared: the same tokens
-elsewhere (data moved to another disk, a copy per node, uint16 rewritten as uint32, the
-shards cut otherwise) draw the same windows, so they resume. An edit that no piece
-touches is not seen; other data is.
 """
 
 from __future__ import annotations
@@ -57,6 +37,15 @@ LLMC_HEADER = 256  # int32 values before the tokens
 FORMATS = ("auto", "raw", "llmc", "npy")
 DTYPES = ("uint16", "uint32")
 TOKENIZERS = ("char", "bytes", "hf")  # what scripts/prepare_text.py writes
+# [Note: what the data is]
+# The position means something only on the same token stream, so the sampler's state
+# holds what the training data is: its token count and a fingerprint, a hash of the ids
+# of SAMPLE_PIECES pieces spread evenly over the stream (a few KB read, whatever the
+# size). A resume refuses a stream whose count or fingerprint differs, whatever the
+# config says. The paths are kept to name the data, not compared: the same tokens
+# elsewhere (data moved to another disk, a copy per node, uint16 rewritten as uint32, the
+# shards cut otherwise) draw the same windows, so they resume. An edit that no piece
+# touches is not seen; other data is.
 SAMPLE_PIECES, SAMPLE_TOKENS = 64, 64  # what the fingerprint reads ([Note: what the data is])
 
 
@@ -346,6 +335,15 @@ def _files(
     return files, meta
 
 
+# [Note: windows drawn from the step]
+# Training step s takes `global_batch` windows of block_size + 1 tokens (inputs, then the
+# targets one token on), drawn from `np.random.default_rng([seed, s])` alone: a random
+# shift, then distinct windows of the grid that starts there, so the windows of one step
+# share no token. Rank r takes windows [r*b, (r+1)*b) of the step, b = global_batch / P:
+# the ranks' parts are disjoint, and their concatenation is the batch one process draws.
+# Nothing depends on what came before, so the position is the step and nothing else: a
+# resumed run (in any world size) continues bitwise. Evaluation reads the held-out tokens
+# as consecutive windows, in order.
 class WindowSampler(Sampler[list[int]]):
     """This rank's window starts for each step, forever ([Note: windows drawn from the
     step]). The position (`step`: the next global batch) is all its state."""

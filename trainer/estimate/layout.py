@@ -13,10 +13,16 @@ optimizer's per-tensor state (AdamW's 0-d `step`) included.
 With `mode.shard_group_size` S (zero and fsdp) the flat buffers are cut over the S ranks
 of a shard group instead of all P, a rank's slice being its rank inside the group
 ([Note: hybrid sharding] in comm/groups.py).
+
+With `mode.expert_parallel` E each rank lays out n_experts/E of every experts module's
+experts, in flat buffers of their own that zero and fsdp cut over the P/E ranks of an
+expert-data-parallel group, a rank's slice being its position there, rank // E
+([Note: expert parameters in every mode] in parallel/experts.py).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +31,7 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.observe.memory import bytes_per_element, optimizer_bytes_per_param
-from trainer.parallel import ENGINES, pieces
+from trainer.parallel import ENGINES, experts, pieces
 from trainer.parallel.broadcast import BROADCAST_PACK_BYTES
 from trainer.parallel.engine import OptimizerFactory, ParamGroupFn
 from trainer.parallel.flat import FlatLayout, bucketize
@@ -65,6 +71,7 @@ class Flat:
     layout: FlatLayout
     n_flags: int = 0  # used-flags carried by its collective ([Note: used flags])
     unit: int = -1  # fsdp: index of its unit in `plan_units` order (0: the root)
+    expert: bool = False  # holds expert parameters: cut over the EDP group
 
     @property
     def root(self) -> bool:  # fsdp: gathered once per forward, kept through backward
@@ -77,13 +84,31 @@ class Plan:
 
     mode: str
     flat_buffers: list[Flat]
-    shard: int  # S: the ranks each flat buffer is cut over (1 in ddp)
-    psi: int  # Ψ, trainable parameter elements
+    shard: int  # S: the ranks each dense flat buffer is cut over (1 in ddp)
+    psi: int  # Ψ, trainable parameter elements of the model (every expert)
     options: dict[str, Any] = field(default_factory=dict)
+    expert_parallel: int = 1  # E: each rank lays out n_experts / E of the experts
 
     @property
     def sharded(self) -> bool:
         return ENGINES[self.mode].shards_parameters
+
+    @property
+    def held(self) -> int:
+        """Trainable parameter elements a rank lays out: Ψ, less the experts it does not
+        hold under expert parallelism."""
+        return sum(f.layout.numel for f in self.flat_buffers)
+
+    def shard_of(self, f: Flat) -> int:
+        """The ranks `f` is cut over: S, or for experts the P/E ranks of an EDP group
+        (hybrid sharding with experts is refused: S = P there)."""
+        if f.expert and self.sharded:
+            return self.shard // self.expert_parallel
+        return self.shard
+
+    def group_rank(self, f: Flat, rank: int) -> int:
+        """`rank`'s slice of `f`: its rank in its shard group, or in its EDP group."""
+        return rank // self.expert_parallel if f.expert else rank % self.shard
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -101,19 +126,39 @@ def plan(
     param_options: ParamGroupFn | None,
     shard: int,
 ) -> Plan:
-    """Lay out `model` (fp32, on meta) as `mode`'s engine would, over groups of `shard`."""
+    """Lay out `model` (fp32, on meta) as `mode`'s engine would, over groups of `shard`;
+    with `options["expert_parallel"]` E > 1 each rank's experts apart, over P/E ranks."""
+    psi = sum(p.numel() for _, p in trainable(model))
+    e = int(options.get("expert_parallel", 1))
+    expert_ids: set[int] = set()  # of the parameters a rank holds n_experts / E rows of
+    if e > 1:
+        model, expert_ids = _local_experts(model, e)
     named = trainable(model)
+    dense = [(n, p) for n, p in named if id(p) not in expert_ids]
+    expert = [(n, p) for n, p in named if id(p) in expert_ids]
     bucket = int(options.get("bucket_mb", 25.0) * 2**20)
+    # Expert buffers go before the last dense one, as the engines launch them (ddp.py,
+    # zero.py): the last dense buffer carries the used-flags over all ranks.
     if mode == "ddp":
-        buckets = bucketize([p for _, p in named], bucket)
-        flat_buffers = [_flat(named, ps, 1) for ps in buckets]
         shard = 1
-    elif mode == "zero":
-        flat_buffers = [
-            _flat(named, ps, shard)
-            for _, pairs in pieces.split_by_options(named, param_options)
-            for ps in bucketize([p for _, p in pairs], bucket)
+        flats = [
+            [
+                _flat(named, ps, 1, expert=part is expert)
+                for ps in bucketize([p for _, p in part], bucket)
+            ]
+            for part in (dense, expert)
         ]
+        flat_buffers = flats[0][:-1] + flats[1] + flats[0][-1:]
+    elif mode == "zero":
+        flats = [
+            [
+                _flat(named, ps, shard // (e if part is expert else 1), expert=part is expert)
+                for _, pairs in pieces.split_by_options(part, param_options)
+                for ps in bucketize([p for _, p in pairs], bucket)
+            ]
+            for part in (dense, expert)
+        ]
+        flat_buffers = flats[0][:-1] + flats[1] + flats[0][-1:]
     elif mode == "fsdp":
         classes = options.get("unit_classes")
         units = plan_units(
@@ -122,23 +167,46 @@ def plan(
             options.get("min_unit_params", 100_000),
             options.get("repeated_children", True),
         )
-        flat_buffers = [
-            Flat([n for n, _ in pairs], FlatLayout.of([p for _, p in pairs], shard), unit=i)
+        flat_buffers = [  # each unit's dense buffers, then its experts' (fsdp.py's _Unit)
+            Flat(
+                [n for n, _ in pairs],
+                FlatLayout.of([p for _, p in pairs], shard // (e if ex else 1)),
+                unit=i,
+                expert=ex,
+            )
             for i, u in enumerate(units)
-            for _, pairs in pieces.split_by_options(u.params, param_options)
+            for ex in (False, True)
+            for _, pairs in pieces.split_by_options(
+                [(n, p) for n, p in u.params if (id(p) in expert_ids) == ex], param_options
+            )
         ]
     else:
         raise ValueError(mode)
-    # the buffer launched last carries the flags; fsdp: the root's first buffer
-    carrier = flat_buffers[0] if mode == "fsdp" else flat_buffers[-1]
-    if mode != "fsdp" or carrier.root:
-        carrier.n_flags = len(named)
-    return Plan(mode, flat_buffers, shard, sum(p.numel() for _, p in named), options)
+    # the buffer launched last carries the flags; fsdp: the root's first dense buffer
+    if mode == "fsdp":
+        carrier = flat_buffers[0]
+        if carrier.root and not carrier.expert:
+            carrier.n_flags = len(named)
+    else:
+        flat_buffers[-1].n_flags = len(named)
+    return Plan(mode, flat_buffers, shard, psi, options, e)
 
 
-def _flat(named: list[tuple[str, nn.Parameter]], ps: list[nn.Parameter], shard: int) -> Flat:
+def _flat(
+    named: list[tuple[str, nn.Parameter]], ps: list[nn.Parameter], shard: int, expert: bool
+) -> Flat:
     names = {id(p): n for n, p in named}
-    return Flat([names[id(p)] for p in ps], FlatLayout.of(ps, shard))
+    return Flat([names[id(p)] for p in ps], FlatLayout.of(ps, shard), expert=expert)
+
+
+def _local_experts(model: nn.Module, e: int) -> tuple[nn.Module, set[int]]:
+    """A copy of `model` (on meta) whose expert parameters hold n_experts / E rows, as a
+    rank's do once `experts.shard` has run, and their ids."""
+    model = copy.deepcopy(model)
+    named = experts.expert_parameters(model)
+    for _, p in named:
+        p.data = torch.empty((p.shape[0] // e, *p.shape[1:]), dtype=p.dtype, device="meta")
+    return model, {id(p) for _, p in named}
 
 
 def bare(mode: str, psi: int, shard: int, options: dict[str, Any]) -> Plan:
@@ -161,7 +229,7 @@ def model_state(
     out = dict.fromkeys(KINDS, 0)
     for f in p.flat_buffers:
         lay = f.layout
-        s = lay.shard_size(p.shard)
+        s = lay.shard_size(p.shard_of(f))
         for kind in ("params", "master", "grads"):
             out[kind] += int((s if kind in sharded else lay.padded_numel) * per[kind])
         # The flags: in ddp's last bucket, in the reduce dtype. In zero and fsdp the
@@ -171,7 +239,7 @@ def model_state(
             out["grads"] += f.n_flags * r
         elif r == 4:
             out["grads"] += f.n_flags * 4
-        out["optimizer"] += _optimizer_bytes(p, f, opt, rank % p.shard)
+        out["optimizer"] += _optimizer_bytes(p, f, opt, p.group_rank(f, rank))
     return out
 
 
@@ -182,7 +250,7 @@ def _optimizer_bytes(p: Plan, f: Flat, opt: OptimizerState, group_rank: int) -> 
     if not p.sharded:  # one tensor per parameter
         sizes = [s.numel() for s in lay.shapes]
     else:  # the pieces of this rank's slice (padding is in none)
-        s = lay.shard_size(p.shard)
+        s = lay.shard_size(p.shard_of(f))
         shard = torch.empty(s, device="meta")
         cut = pieces.cut(f.names, range(len(f.names)), lay, shard, group_rank)
         sizes = [c.end - c.start for c in cut]
@@ -190,7 +258,8 @@ def _optimizer_bytes(p: Plan, f: Flat, opt: OptimizerState, group_rank: int) -> 
 
 
 def max_model_state(p: Plan, precision: Precision, opt: OptimizerState) -> dict[str, int]:
-    """The rank holding the most (ranks differ by a few optimizer step counters)."""
+    """The rank holding the most (ranks differ by a few optimizer step counters). With
+    expert parallelism S = P in zero and fsdp, and ddp's ranks hold the same bytes."""
     ranks = [model_state(p, precision, opt, r) for r in range(p.shard)]
     return max(ranks, key=lambda d: sum(d.values()))
 
@@ -203,7 +272,7 @@ def checkpoint_data_bytes(p: Plan, opt: OptimizerState) -> int:
     in the model state; entries start at 64-byte multiples (a few bytes more each)."""
     total = 0
     for f in p.flat_buffers:
-        n = f.layout.shard_size(p.shard) if p.sharded else f.layout.padded_numel
+        n = f.layout.shard_size(p.shard_of(f)) if p.sharded else f.layout.padded_numel
         total += int(n * (4 + opt.per_element))  # fp32 values (the masters where mixed)
     return total
 
@@ -223,11 +292,13 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
     b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     if p.mode == "ddp":
         return 0
-    extra = p.psi * r if micro_batches > 1 else 0
+    extra = p.held * r if micro_batches > 1 else 0
     if r != 4:  # the reduced slices, kept apart from their fp32 copies
-        extra += sum((f.layout.shard_size(p.shard) + f.n_flags) * r for f in p.flat_buffers)
+        extra += sum((f.layout.shard_size(p.shard_of(f)) + f.n_flags) * r for f in p.flat_buffers)
     if p.mode == "zero":
-        rows = [p.shard * (f.layout.shard_size(p.shard) + f.n_flags) * r for f in p.flat_buffers]
+        rows = [
+            (s := p.shard_of(f)) * (f.layout.shard_size(s) + f.n_flags) * r for f in p.flat_buffers
+        ]
         return extra + sum(sorted(rows, reverse=True)[: BUCKETS_IN_FLIGHT + 1])
     per_unit: dict[int, int] = {}
     for f in p.flat_buffers:
@@ -258,6 +329,10 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
 #       the larger of: one module's full parameters while its init runs (SeededInit) and
 #       check_fit's forward, which gathers the root and two more units (one prefetched)
 #       in the compute dtype
+# With expert parallelism the ordinary build broadcasts the whole model first, then each
+# rank keeps its experts' rows (experts.shard) before the engine is built: M before, the
+# held model's bytes (4 x its trainable elements a rank lays out, + buffers) after. A meta
+# build draws or reads this rank's experts only: the held model throughout.
 def build_peak(
     p: Plan,
     precision: Precision,
@@ -271,30 +346,32 @@ def build_peak(
     bare count."""
     b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     model = 4 * p.psi + buffer_bytes
+    held = 4 * p.held + buffer_bytes  # model, without expert parallelism
     broadcast = min(model, BROADCAST_PACK_BYTES) if world_size > 1 else 0
     buffers_broadcast = min(buffer_bytes, BROADCAST_PACK_BYTES) if world_size > 1 else 0
     if p.mode in ("ddp", "zero"):
         if p.mode == "ddp":  # its gradient buckets, kept; fp32 masters in mixed precision
             beside = sum((f.layout.padded_numel + f.n_flags) * r for f in p.flat_buffers)
-            beside += 4 * p.psi if precision.mixed else 0
+            beside += 4 * p.held if precision.mixed else 0
         else:  # one bucket at a time; in mixed precision its cast and its fp32 master
-            n = max(f.layout.padded_numel for f in p.flat_buffers)
-            beside = n * 4 + (n * b + n // p.shard * 4 if precision.mixed else 0)
+            f = max(p.flat_buffers, key=lambda f: f.layout.padded_numel)
+            n = f.layout.padded_numel
+            beside = n * 4 + (n * b + n // p.shard_of(f) * 4 if precision.mixed else 0)
         return {
-            "ordinary": model + max(broadcast, beside),
-            "meta": model + max(buffers_broadcast, beside),
+            "ordinary": max(model + broadcast, held + beside),
+            "meta": held + max(buffers_broadcast, beside),
         }
     per_unit: dict[int, int] = {}
     shards = 0
     for f in p.flat_buffers:
         per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel
-        shards += f.layout.shard_size(p.shard) * 4
+        shards += f.layout.shard_size(p.shard_of(f)) * 4
     largest = max(per_unit.values())
     unit_at_a_time = largest * 4 + largest // p.shard * 4
     root = per_unit.pop(0, 0)
     gathered = (root + sum(sorted(per_unit.values(), reverse=True)[:2])) * b
     bare = any(f.unit < 0 for f in p.flat_buffers)  # a bare count: its units are unknown
     return {
-        "ordinary": model + max(broadcast, unit_at_a_time),
+        "ordinary": max(model + broadcast, held + unit_at_a_time),
         "meta": None if bare else shards + buffer_bytes + max(largest_module_bytes, gathered),
     }

@@ -68,6 +68,12 @@ def estimate(
     for mode, cfg in cfgs.items():
         precision = Precision.of(cfg.precision, cfg.mode.get("reduce_dtype", "fp32"))
         s = shard_size(mode, cfg, world, shard_group_size)
+        e = cfg.mode.get("expert_parallel", 1)
+        if e != 1 and mode != "ddp" and s != world:  # as the engines refuse it (experts.plan)
+            raise ConfigError(
+                f"mode.expert_parallel={e} with a shard group size of {s}: hybrid sharding "
+                "with expert parallelism is not supported; set one of them to null/1"
+            )
         if model is None:
             plan = layout.bare(mode, psi, s, engine_options(cfg))
         else:
@@ -95,6 +101,8 @@ def estimate(
         fig["build_peak_bytes"] = layout.build_peak(plan, precision, world, *built)
         if passes is None:  # model states only
             fig["fits"] = fig["model_state_bytes_per_rank"] <= device_bytes
+            if model is not None:  # an MoE: no activations, but the mode's buffers
+                fig["working_set_bytes"] = layout.working_set(plan, precision, k)
         else:
             fig["working_set_bytes"] = layout.working_set(plan, precision, k)
             fig["micro_batch"], fig["grad_accum_steps"] = micro, k
@@ -115,8 +123,8 @@ def _experts(cfg: DictConfig, model, mode: str, world: int, precision: Precision
     """Expert parallelism's figures ([Note: expert parameters in every mode] in
     parallel/experts.py): expert parameters in all, those each rank holds (ddp, zero:
     n/E experts whole; fsdp: 1/P of them) and steps (ddp: n/E; zero, fsdp: 1/P), and the
-    AllToAll bytes a rank sends per step. The model-state columns count every expert
-    on every rank, as without expert parallelism."""
+    AllToAll bytes a rank sends per step. The model-state columns count the same way
+    (layout.py lays out a rank's experts only)."""
     shape = experts.moe_shape(model)
     e = int(cfg.mode.get("expert_parallel", 1))
     tokens = cfg.train.batch_size // world * getattr(model, "block_size", 0)

@@ -50,6 +50,10 @@ class Sent:
 #   fsdp  per micro-batch, an AllGather of every unit before its forward and again before
 #         its backward (once with reshard_after_forward=false), the root unit's once; one
 #         ReduceScatter per buffer, once per step.
+#   With expert parallelism ([Note: expert parameters in every mode] in
+#   parallel/experts.py) the experts' buffers are reduced (and gathered) the same way over
+#   the P/E ranks of rank 0's expert-data-parallel group, 0, E, 2E, ...; the AllToAlls
+#   of token dispatch depend on the routing and are apart (experts.all_to_all_bytes).
 #   Buffers (BatchNorm statistics) are broadcast from rank 0 before every training forward
 #   (rank 0's figure: the others send nothing); waited for at once.
 # Left out, as comm.stats leaves them out of a step: the small AllReduces of control values
@@ -72,9 +76,7 @@ def collectives(
 ) -> list[Sent]:
     """Every collective rank 0 issues in one step ([Note: traffic per rank])."""
     b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
-    s = p.shard
-    shard_group = list(range(s))
-    replicas = list(range(0, world, s))  # the ranks holding the same shard as rank 0
+    edp = list(range(0, world, p.expert_parallel))  # rank 0's expert-data-parallel group
     out: list[Sent] = []
     if buffer_bytes and world > 1:
         for _ in range(micro_batches):
@@ -83,11 +85,14 @@ def collectives(
         everyone = list(range(world))
         for f in p.flat_buffers:
             n = (f.layout.numel + f.n_flags) * r
-            out.append(
-                Sent("all_reduce", bus_factor("all_reduce", world) * n, everyone, LAST_BACKWARD)
-            )
+            group = edp if f.expert else everyone
+            ar = bus_factor("all_reduce", len(group)) * n
+            out.append(Sent("all_reduce", ar, group, LAST_BACKWARD))
         return out
     for f in p.flat_buffers:
+        s = p.shard_of(f)
+        shard_group = edp if f.expert else list(range(s))
+        replicas = [0] if f.expert else list(range(0, world, s))  # holding rank 0's shard
         size = f.layout.shard_size(s)
         rows = s * (size + f.n_flags) * r  # the ReduceScatter's input, flags included
         out.append(

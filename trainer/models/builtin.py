@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer import comm
 from trainer.errors import ConfigError
 from trainer.parallel.experts import dispatch_combine
 
@@ -266,8 +267,12 @@ class GPT(nn.Module):
 
     def _scale_residual(self, module: nn.Module) -> None:
         # GPT-2 scales the residual output projections by 1/sqrt(2 * n_layer) so the
-        # residual stream's variance does not grow with depth.
-        if any(module is b.attn.c_proj or module is b.mlp.c_proj for b in self.blocks):
+        # residual stream's variance does not grow with depth: every block's attention
+        # projection, and the MLP's where the block has a dense one (GPT-MoE's experts
+        # keep their own init).
+        projections = [b.attn.c_proj for b in self.blocks]
+        projections += [b.mlp.c_proj for b in self.blocks if isinstance(b, Block)]
+        if any(module is c for c in projections):
             std = 0.02 / math.sqrt(2 * len(self.blocks))
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
@@ -280,9 +285,13 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) broadcast
         for block in self.blocks:
-            x = checkpointed(block, x) if self.activation_checkpointing else block(x)
-            # (B, T, C)
+            x = self._run_block(block, x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+
+    def _run_block(self, block: nn.Module, x: Tensor) -> Tensor:
+        """One block's output (B, T, C), recomputed in backward with activation
+        checkpointing."""
+        return checkpointed(block, x) if self.activation_checkpointing else block(x)
 
 
 # --------------------------------------------------------------------------------------
@@ -316,31 +325,68 @@ class Experts(nn.Module):
         return torch.cat(out)  # (N, C)
 
 
+# [Note: aux-loss-free load balancing]
+# DeepSeek-V3's alternative to the load-balancing loss (arXiv 2412.19437, section 2.1.2),
+# with `bias_update_speed` γ > 0: each MoE layer keeps a bias per expert, `expert_bias`
+# (n,), added to the router's probabilities for the top-k choice only; the weights that
+# combine the experts' outputs are the probabilities themselves. At every optimizer step
+# (`update_expert_bias`, called by the loop after engine.step()) the rows routed to each
+# expert since the last step are summed over all ranks (one AllReduce of n numbers per
+# layer) and the bias moves by γ · sign(mean - count): up for an underloaded expert, down
+# for an overloaded one. Every rank adds the same global counts to the same start (zeros),
+# so the bias is the same on every rank and equal to what one process training on the
+# whole batch computes. It is a persistent fp32 buffer: checkpoints keep it, and since an
+# engine casts buffers to the compute dtype, the option asks for precision=fp32. The
+# counts are taken in the real forward (GPTMoE._run_block), not in activation
+# checkpointing's recomputation; a step skipped for a non-finite loss drops them.
+
+
 class MoE(nn.Module):
     """Top-k softmax routing over `num_experts` Experts, with the Switch/GShard
     load-balancing loss: aux = n · Σ_i f_i · p_i, f_i the fraction of routed rows that
-    go to expert i and p_i its mean router probability (1 when perfectly balanced)."""
+    go to expert i and p_i its mean router probability (1 when perfectly balanced).
+    `bias_update_speed` > 0 adds DeepSeek-V3's bias to the choice ([Note: aux-loss-free
+    load balancing])."""
 
-    def __init__(self, n_embd: int, num_experts: int, top_k: int, hidden: int) -> None:
+    def __init__(
+        self,
+        n_embd: int,
+        num_experts: int,
+        top_k: int,
+        hidden: int,
+        bias_update_speed: float = 0.0,
+    ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ConfigError(
                 f"GPT-MoE top_k={top_k} must be between 1 and n_experts={num_experts}"
             )
+        if not bias_update_speed >= 0:
+            raise ConfigError(f"GPT-MoE bias_update_speed={bias_update_speed} must be >= 0")
         self.top_k = top_k
         self.router = nn.Linear(n_embd, num_experts, bias=False)
         self.experts = Experts(num_experts, n_embd, hidden)
+        self.bias_update_speed = bias_update_speed
+        if bias_update_speed:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))  # (n,) fp32
+        self.routed: Tensor | None = None  # (n,) rows per expert in the latest forward
+        self.pending: Tensor | None = None  # (n,) rows per expert since the bias update
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
         probs = self.router(flat).float().softmax(dim=-1)  # (N, n) fp32 for the routing
-        top_w, top_idx = probs.topk(self.top_k, dim=-1)  # (N, k)
+        if self.bias_update_speed:  # the bias picks the experts, the probabilities weigh them
+            top_idx = (probs.detach() + self.expert_bias.float()).topk(self.top_k, dim=-1)[1]
+            top_w = probs.gather(1, top_idx)  # (N, k)
+        else:
+            top_w, top_idx = probs.topk(self.top_k, dim=-1)  # (N, k)
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)  # the k weights sum to 1
         n = self.experts.num_experts
         y = dispatch_combine(flat, top_idx, top_w, self.experts, n, self.experts.placement)
         with torch.no_grad():
-            routed = torch.bincount(top_idx.flatten(), minlength=n).float() / top_idx.numel()
+            self.routed = torch.bincount(top_idx.flatten(), minlength=n)  # (n,)
+            routed = self.routed.float() / top_idx.numel()
         aux = n * (routed * probs.mean(dim=0)).sum()  # () fp32
         self.load = routed.detach()  # (n,) this forward's share of rows per expert
         return y.view(B, T, C).to(x.dtype), aux
@@ -349,12 +395,14 @@ class MoE(nn.Module):
 class MoEBlock(nn.Module):
     """A Block whose MLP is an MoE; returns the block's output and the MoE's aux loss."""
 
-    def __init__(self, n_embd: int, n_head: int, num_experts: int, top_k: int) -> None:
+    def __init__(
+        self, n_embd: int, n_head: int, num_experts: int, top_k: int, bias_update_speed: float
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head)
         self.ln_2 = nn.LayerNorm(n_embd)
-        self.moe = MoE(n_embd, num_experts, top_k, 4 * n_embd)
+        self.moe = MoE(n_embd, num_experts, top_k, 4 * n_embd, bias_update_speed)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
@@ -366,7 +414,9 @@ class GPTMoE(GPT):
     """GPT with an MoE MLP in every `moe_every`-th block (the last of each group of
     `moe_every`: blocks moe_every-1, 2*moe_every-1, ...). The load-balancing losses of
     the MoE blocks, times `aux_loss_coef`, are summed into `aux_loss` at every forward;
-    the training loop adds it to the loss (trainer.models.aux_loss)."""
+    the training loop adds it to the loss (trainer.models.aux_loss). `bias_update_speed`
+    > 0: DeepSeek-V3's aux-loss-free balancing besides ([Note: aux-loss-free load
+    balancing]; `aux_loss_coef=0` leaves it alone)."""
 
     def __init__(
         self,
@@ -381,15 +431,18 @@ class GPTMoE(GPT):
         top_k: int = 2,
         moe_every: int = 1,
         aux_loss_coef: float = 0.01,
+        bias_update_speed: float = 0.0,
     ) -> None:
         if moe_every < 1:
             raise ConfigError(f"GPT-MoE moe_every={moe_every} must be at least 1")
         self._moe = dict(n_experts=n_experts, top_k=top_k, moe_every=moe_every)
+        if bias_update_speed:  # exports and checkpoints of models without it stay as they were
+            self._moe["bias_update_speed"] = bias_update_speed
         super().__init__(
             vocab_size, block_size, n_layer, n_head, n_embd, tie_weights, activation_checkpointing
         )
         for i in range(moe_every - 1, n_layer, moe_every):
-            self.blocks[i] = MoEBlock(n_embd, n_head, n_experts, top_k)
+            self.blocks[i] = MoEBlock(n_embd, n_head, n_experts, top_k, bias_update_speed)
             for m in self.blocks[i].modules():
                 self.init_module(m)
         self.aux_loss_coef = aux_loss_coef
@@ -408,30 +461,50 @@ class GPTMoE(GPT):
             module.reset_parameters()
         super().init_module(module)
 
-    def _scale_residual(self, module: nn.Module) -> None:
-        if any(module is b.attn.c_proj for b in self.blocks) or any(
-            isinstance(b, Block) and module is b.mlp.c_proj for b in self.blocks
-        ):
-            std = 0.02 / math.sqrt(2 * len(self.blocks))
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-
     def forward(self, idx: Tensor) -> Tensor:
-        B, T = idx.shape
-        if T > self.block_size:
-            raise ConfigError(
-                f"sequence length {T} is longer than GPT block_size {self.block_size}"
-            )
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
-        aux = torch.zeros((), device=idx.device)
-        for block in self.blocks:
-            out = checkpointed(block, x) if self.activation_checkpointing else block(x)
-            if isinstance(block, MoEBlock):
-                out, a = out
-                aux = aux + a
-            x = out  # (B, T, C)
-        self.aux_loss = self.aux_loss_coef * aux
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        self._aux = torch.zeros((), device=idx.device)  # summed by _run_block
+        logits = super().forward(idx)  # (B, T, vocab_size)
+        self.aux_loss = self.aux_loss_coef * self._aux
+        return logits
+
+    def _run_block(self, block: nn.Module, x: Tensor) -> Tensor:
+        out = super()._run_block(block, x)
+        if isinstance(block, MoEBlock):  # (B, T, C) and its load-balancing loss ()
+            out, aux = out
+            self._aux = self._aux + aux
+            moe = block.moe  # counted here, not in a checkpointed block's recomputation
+            if moe.bias_update_speed and self.training and torch.is_grad_enabled():
+                moe.pending = moe.routed if moe.pending is None else moe.pending + moe.routed
+        return out  # (B, T, C)
+
+
+def update_expert_bias(model: nn.Module, taken: bool | Tensor = True) -> None:
+    """DeepSeek-V3's bias update of every MoE layer that has one, from the rows routed
+    since the last update summed over all ranks ([Note: aux-loss-free load balancing]);
+    a step not `taken` drops the counts (a device flag: the update is multiplied by it, no
+    host read). Call it on every rank after each optimizer step: it is a collective."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.bias_update_speed]
+    if not layers:
+        return
+    pending = [m.pending for m in layers]
+    for m in layers:
+        m.pending = None
+    if taken is False:
+        return
+    counts = torch.stack(  # (layers, n): whole numbers, exact in fp64
+        [
+            (torch.zeros_like(m.expert_bias) if c is None else c).double()
+            for m, c in zip(layers, pending, strict=True)
+        ]
+    )
+    if torch.distributed.is_initialized() and comm.world_size() > 1:
+        comm.all_reduce(counts, tag="moe.bias_counts", account=False).wait()
+    with torch.no_grad():
+        for m, c in zip(layers, counts, strict=True):
+            step = torch.sign(c.mean() - c).to(m.expert_bias.dtype)  # (n,) +1 underloaded
+            if isinstance(taken, Tensor):
+                step = step * taken.to(step.device, step.dtype)
+            m.expert_bias.add_(step, alpha=m.bias_update_speed)
 
 
 def expert_loads(model: nn.Module) -> list[Tensor]:

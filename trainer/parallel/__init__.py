@@ -2,9 +2,9 @@
 
 Each mode is one file read top to bottom (ddp.py, zero.py, fsdp.py) over engine.py, what every
 mode shares; zero and fsdp keep their state in sharded.py's buffers. Below them: flat.py
-(layouts), buckets.py, units.py, schedule.py, pieces.py, used.py, state.py, broadcast.py,
-clipping.py, and precision.py and scaling.py (bf16/fp16 compute, fp16 loss scaling and its
-step). Start with zero.py.
+(layouts), buckets.py, units.py, schedule.py, pieces.py, used.py, local_grads.py (no_sync),
+state.py, broadcast.py, clipping.py, and precision.py and scaling.py (bf16/fp16 compute,
+frozen parameters' fp32 values, fp16 loss scaling and its step). Start with zero.py.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class DDPEngine(Engine):
         if mp.mixed:  # fp32 masters from the fp32 values, then the module is cast
             for b in self.buckets:
                 b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
-            self._cast_module()
+            self.frozen.cast(self.module, self.precision.param_dtype)
         # .grad views into the buckets when dtypes allow, else copies into them
         self._views = all(p.dtype == mp.reduce_dtype for p in params)
         self._separate_grads = mp.mixed or not self._views  # masters get their own .grad
@@ -220,7 +220,7 @@ class DDPEngine(Engine):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         state = super().state_tensors()
         masters = [m for _, m in self._masters]
-        state["master"] = (masters if self.precision.mixed else []) + self.frozen_masters()
+        state["master"] = (masters if self.precision.mixed else []) + self.frozen.tensors()
         # The buckets and, when separate, the masters' fp32 gradients.
         separate = [m.grad for m in masters if m.grad is not None]
         state["grads"] = [b.buffer for b in self.buckets] + separate

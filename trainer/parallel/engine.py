@@ -5,11 +5,10 @@
     loss.backward()        # or engine.backward(loss): needed for fp16's loss scaling
     engine.step()          # True; in fp16 a device flag, False where it skipped
 
-Each mode subclasses `Engine` in its own file and decides where gradients live, when
-they are communicated and what the optimizer sees (`_finish_backward`, `_step`). What is
-the same for every mode lives here: the end-of-backward callback, casting inputs and
-outputs, buffers that follow rank 0. fp16's step is scaling.py's, clipping clipping.py's,
-the gathering of full_state_dict pieces.py's.
+Each mode subclasses `Engine` in its own file and decides where gradients live and when
+they are communicated (`_finish_backward`, `_step`). What every mode shares is here: the
+end-of-backward callback, casting inputs and outputs, buffers that follow rank 0. fp16's
+step is scaling.py's, clipping clipping.py's, frozen parameters' fp32 values precision.py's.
 
 [Note: end of backward]
 Users call `loss.backward()`, as with torch DDP and FSDP2, not a method of ours. The
@@ -17,7 +16,7 @@ first gradient hook of each backward pass queues `_end_backward` with autograd's
 execution engine (`queue_callback`, what DDP and FSDP2 use); autograd runs it once the
 whole backward pass is done, before `backward()` returns. There each mode waits for its
 last collectives, reduces what got no gradient and hands gradients to the optimizer.
-Several backwards before one step each run it, and their gradients add up.
+Several backwards before one step each run it; their gradients add up.
 """
 
 from __future__ import annotations
@@ -32,12 +31,11 @@ from torch import nn
 
 from trainer import comm
 from trainer.comm import groups as comm_groups
-from trainer.errors import ConfigError
 from trainer.parallel import clipping, pieces
 from trainer.parallel.broadcast import broadcast_tensors
 from trainer.parallel.experts import ExpertPlan
 from trainer.parallel.pieces import ShardGroup
-from trainer.parallel.precision import Precision, cast_module
+from trainer.parallel.precision import FrozenMasters, Precision
 from trainer.parallel.scaling import LossScaler, can_skip_on_device
 
 # Called with the tensors to step: a list of tensors, or of param-group dicts.
@@ -88,37 +86,7 @@ class Engine(ABC):
         self._buffers_changed = False  # a training forward ran since the last broadcast
         self._sync = True
         self._in_backward = False  # [Note: end of backward]: the callback is queued
-        self._scaling = False  # inside engine.backward(), which scales the loss
-        self._frozen: dict[int, torch.Tensor] = {}  # fp32 values of frozen params, if cast
-
-    def _cast_module(self) -> None:
-        """Cast the module to the compute dtype (after the mode built its fp32 masters).
-        Frozen parameters have no master: their fp32 values are kept aside, so that a
-        saved model does not come back rounded to bf16."""
-        for p in self.module.parameters():
-            if not p.requires_grad and p.is_floating_point():
-                self._frozen[id(p)] = p.detach().clone()
-        cast_module(self.module, self.precision.param_dtype)
-
-    def whole_copy(self, v: torch.Tensor) -> torch.Tensor:
-        """A tensor every rank keeps whole (buffer, frozen parameter) as an fp32 CPU copy."""
-        return _fp32(self.whole_value(v).cpu().clone())
-
-    def whole_value(self, v: torch.Tensor) -> torch.Tensor:
-        """The values to save of a tensor every rank keeps whole, not copied: its fp32
-        master where the module computes with a cast copy (a frozen parameter), else itself."""
-        return self._frozen.get(id(v), v).detach()
-
-    @torch.no_grad()
-    def load_whole(self, v: torch.Tensor, value: torch.Tensor) -> None:
-        """`value` into a tensor every rank keeps whole, and into its fp32 copy if cast."""
-        v.copy_(value)
-        if id(v) in self._frozen:
-            self._frozen[id(v)].copy_(value)
-
-    def frozen_masters(self) -> list[torch.Tensor]:
-        """fp32 values of frozen parameters the module computes with in a lower dtype."""
-        return list(self._frozen.values())
+        self.frozen = FrozenMasters()  # fp32 values of frozen parameters, if cast
 
     # -- forward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -143,24 +111,16 @@ class Engine(ABC):
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, with the loss scaled first in fp16 ([Note: dynamic loss
         scaling]); in fp32 and bf16 the same as calling `loss.backward()` directly."""
-        self._scaling = True
-        try:
-            self.scaler.scale_loss(loss).backward()
-        finally:
-            self._scaling = False
+        self.scaler.backward(loss)
 
     def _begin_backward(self) -> None:
         """Called by every gradient hook of the modes; the first one of a backward pass
         queues `_end_backward` ([Note: end of backward])."""
         if self._in_backward:
             return
-        if self.scaler.enabled and not self._scaling:
-            # Raised before this backward communicated anything, on every rank alike.
-            self.zero_grad()
-            raise ConfigError(
-                "precision=fp16 needs engine.backward(loss), which scales the loss: a plain "
-                "loss.backward() would let small fp16 gradients underflow to zero"
-            )
+        if self.scaler.enabled and not self.scaler.scaling:
+            self.zero_grad()  # before this backward communicated anything, on every rank
+            self.scaler.refuse_unscaled()
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -218,49 +178,32 @@ class Engine(ABC):
         """Unsharded state with the keys of `module.state_dict()`, as CPU copies: fp32
         parameters from the masters, floating buffers in fp32. A collective in the modes
         that shard: every rank must call it. `rank0_only`: gathered to rank 0 one group
-        at a time, {} on the other ranks ([Note: gathering to rank 0] in pieces.py);
-        expert parameters are gathered on every rank, then over their EP group."""
-        named = dict(self.module.named_parameters())
+        at a time, {} on the other ranks ([Note: gathering to rank 0] in pieces.py)."""
         whole = dict(pieces.whole_values(self.shard_groups(), self.mesh, rank0_only))
-        if self.experts is not None:  # each rank's experts gathered over its EP group
-            for name in self.experts.names:
-                whole[name] = self._whole_experts(whole[name].to(self.device)).cpu()
-        by_id = {id(named[n]): t for n, t in whole.items()}
+        if self.experts is not None:  # each rank's experts, then over their EP group
+            self.experts.gather_rows(whole, self.device)
         if rank0_only and self.rank != 0:
             return {}
-        # buffers and frozen parameters: every rank holds them whole
-        state = self.module.state_dict(keep_vars=True)
-        return {k: by_id[id(v)] if id(v) in by_id else self.whole_copy(v) for k, v in state.items()}
-
-    def _whole_experts(self, rows: torch.Tensor) -> torch.Tensor:
-        """An expert parameter's rows held by this rank's EP group position, gathered over
-        the EP group into the model's own layout (all experts, stacked). A collective."""
-        g = self.experts.groups
-        whole = rows.new_empty((g.ep_size * rows.numel(),))
-        comm.all_gather(whole, rows.contiguous().view(-1), tag="state", group=g.ep).wait()
-        return whole.view(g.ep_size * rows.shape[0], *rows.shape[1:])
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds, by kind, for memory accounting from live storages.
-
-        Keys: "params" (what forward computes with), "master" (fp32 copies the optimizer
-        steps when params are bf16/fp16), "grads", "optimizer", "comm" (buffers kept for
-        communication).
-        Modes that keep extra storage (shards, flat buffers) override this.
-        """
-        params = list(self.module.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
+        named = dict(self.module.named_parameters())
+        by_id = {id(named[n]): t for n, t in whole.items()}
+        state = self.module.state_dict(keep_vars=True)  # buffers, frozen params: whole
         return {
-            "params": params,
-            "master": self.frozen_masters(),
-            "grads": grads,
-            "optimizer": self.optimizer_state(),
-            "comm": [],
+            k: by_id[id(v)] if id(v) in by_id else self.frozen.copy(v) for k, v in state.items()
         }
 
-    def optimizer_state(self) -> list[torch.Tensor]:
-        """The optimizer's state tensors (moments, momentum buffers) on this rank."""
-        return optimizer_state_tensors(self.optimizer)
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds by kind, for memory accounting from live storages
+        (observe/memory.py): "params" (what forward computes with), "master" (fp32 copies
+        the optimizer steps), "grads", "optimizer", "comm" (buffers kept for
+        communication). Modes that keep other storage (shards, flat buffers) override it."""
+        params = list(self.module.parameters())
+        return {
+            "params": params,
+            "master": self.frozen.tensors(),
+            "grads": [p.grad for p in params if p.grad is not None],
+            "optimizer": optimizer_state_tensors(self.optimizer),
+            "comm": [],
+        }
 
     def working_set_bytes(self) -> int:
         """Bytes held only while a step runs, beyond the model state (fsdp's gathered
@@ -283,11 +226,10 @@ class Engine(ABC):
         Call it after `backward()` and before `step()`, on every rank (clipping.py)."""
         self._unscale()  # clip the true gradients, not the loss-scaled ones
         grads, sharded = self.grad_tensors()
-        split, group = self.expert_grads(), None
-        if self.experts is not None:
-            group = self.experts.groups.ep
+        ep = self.experts.groups.ep if self.experts is not None else None
+        split = self.expert_grads()
         return clipping.clip_grad_norm_(
-            grads, max_norm, sharded, self.mesh.shard, self.device, split, group
+            grads, max_norm, sharded, self.mesh.shard, self.device, split, ep
         )
 
     def expert_grads(self) -> list[torch.Tensor]:
@@ -321,11 +263,6 @@ class Engine(ABC):
     def shard_groups(self) -> list[ShardGroup]:
         """Where this rank's trainable state lives, one group per flat buffer of the mode
         (ddp: one per parameter), in a fixed order."""
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    """Floating tensors as fp32 (bf16/fp16 buffers of a mixed-precision module)."""
-    return t.float() if t.is_floating_point() else t
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

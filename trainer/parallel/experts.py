@@ -14,23 +14,6 @@ the gradient of `tokens` through a back-shaped one (`_AllToAll`, an autograd fun
 over trainer.comm, so bytes are counted and the test hooks see them; on CUDA they run on
 the comm stream). Three AllToAlls per MoE layer in forward, two in backward, over the
 layer's EP group only ([Note: expert parallel groups] in comm/groups.py).
-
-[Note: expert parameters in every mode]
-An experts module is one whose direct parameters are stacked over experts: leading
-dimension `num_experts` (our GPT-MoE's `Experts`, transformers' `*Experts` classes). With
-`mode.expert_parallel=E` each rank keeps rows [r*n/E, (r+1)*n/E) of them, r its position
-in its EP group, and the modes treat them as they treat every parameter, over the EDP
-group instead of all ranks: ddp AllReduces their buckets there, zero ReduceScatters and
-AllGathers their buckets there, fsdp shards each unit's experts there and gathers them
-with the unit. Dense parameters are handled over all P ranks as always.
-
-[Note: expert gradient scale]
-The loss is the mean over the P ranks of each rank's loss. An expert's gradient on its
-rank is, through the backward AllToAlls, the sum of the gradients of the E losses of the
-EP group's ranks (the tokens it served came from them). Averaging that over the P/E
-ranks of the EDP group would give E times the true gradient (DeepSpeed #5618/#6545,
-pytorch#160285): each expert parameter's gradient is divided by E where it is produced
-(a tensor hook, before it accumulates), and the EDP average divides by P/E: 1/P in all.
 """
 
 from __future__ import annotations
@@ -124,6 +107,14 @@ def _hf_interface(m: nn.Module) -> bool:
 
 
 @dataclass
+# [Note: expert parameters in every mode]
+# An experts module is one whose direct parameters are stacked over experts: leading
+# dimension `num_experts` (our GPT-MoE's `Experts`, transformers' `*Experts` classes). With
+# `mode.expert_parallel=E` each rank keeps rows [r*n/E, (r+1)*n/E) of them, r its position
+# in its EP group, and the modes treat them as they treat every parameter, over the EDP
+# group instead of all ranks: ddp AllReduces their buckets there, zero ReduceScatters and
+# AllGathers their buckets there, fsdp shards each unit's experts there and gathers them
+# with the unit. Dense parameters are handled over all P ranks as always.
 class ExpertPlan:
     """What expert parallelism does to a model: its experts modules, their parameters
     (by name, as `model.named_parameters()` lists them) and the groups."""
@@ -140,6 +131,19 @@ class ExpertPlan:
     def holds(self, p: Tensor) -> bool:
         """Whether `p` is an expert parameter (sharded over EP, reduced over EDP)."""
         return id(p) in self.ids
+
+    def gather_rows(self, whole: dict[str, Tensor], device: torch.device) -> None:
+        """Each expert parameter of `whole` (CPU copies of the rows this rank's EP
+        position holds) replaced by all its rows, gathered over the EP group into the
+        model's own layout (every expert, stacked). A collective over the EP group."""
+        ep = self.groups.ep_size
+        for name in self.names:
+            rows = whole[name].to(device)
+            gathered = rows.new_empty((ep * rows.numel(),))
+            comm.all_gather(
+                gathered, rows.contiguous().view(-1), tag="state", group=self.groups.ep
+            ).wait()
+            whole[name] = gathered.view(ep * rows.shape[0], *rows.shape[1:]).cpu()
 
 
 def plan(model: nn.Module, e: int, shard_group_size: int | None = None) -> ExpertPlan | None:
@@ -165,14 +169,23 @@ def plan(model: nn.Module, e: int, shard_group_size: int | None = None) -> Exper
             "sharding with expert parallelism is not supported; set one of them to null/1"
         )
     groups = expert_groups(e)
-    owned = {id(m) for _, m in modules}
-    owners = param_owners(model)  # as model.named_parameters() names them
-    by_module = {name: m for name, m in modules}
-    named = [
-        (n, q) for n, q in model.named_parameters() if id(by_module.get(owners[id(q)][0])) in owned
-    ]
+    named = expert_parameters(model, modules)
     shapes = {n: q.shape for n, q in named}
     return ExpertPlan(groups, modules, [n for n, _ in named], [q for _, q in named], shapes)
+
+
+def expert_parameters(
+    model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of `model`'s experts modules (`expert_modules`), named as
+    `model.named_parameters()` names them (on meta too)."""
+    modules = expert_modules(model) if modules is None else modules
+    owned = {id(m) for _, m in modules}
+    owners = param_owners(model)
+    by_module = {name: m for name, m in modules}
+    return [
+        (n, q) for n, q in model.named_parameters() if id(by_module.get(owners[id(q)][0])) in owned
+    ]
 
 
 def shard(model: nn.Module, ep: ExpertPlan, source: Source | None, device: torch.device) -> None:
@@ -197,7 +210,12 @@ def shard(model: nn.Module, ep: ExpertPlan, source: Source | None, device: torch
             raise ConfigError("expert parameters on the meta device need a source")
         source.fill(model, [], requests, device)
     for p, values in zip(ep.params, local, strict=True):
-        swap_into(p, values)
+        if p.is_meta:
+            swap_into(p, values)
+        else:  # the same tensor keeps its hooks: hooks registered on a parameter before
+            # build_engine stay, and so do those registered after (a swapped tensor's
+            # post-accumulate-grad hooks never fire, the engine's own included)
+            p.data = values
     for _, m in ep.modules:
         if _hf_interface(m):
             use_ep_implementation(m)
@@ -206,6 +224,13 @@ def shard(model: nn.Module, ep: ExpertPlan, source: Source | None, device: torch
         )
 
 
+# [Note: expert gradient scale]
+# The loss is the mean over the P ranks of each rank's loss. An expert's gradient on its
+# rank is, through the backward AllToAlls, the sum of the gradients of the E losses of the
+# EP group's ranks (the tokens it served came from them). Averaging that over the P/E
+# ranks of the EDP group would give E times the true gradient (DeepSpeed #5618/#6545,
+# pytorch#160285): each expert parameter's gradient is divided by E where it is produced
+# (a tensor hook, before it accumulates), and the EDP average divides by P/E: 1/P in all.
 def scale_gradients(ep: ExpertPlan) -> None:
     """Divide each expert parameter's gradient by E as it is produced ([Note: expert
     gradient scale])."""

@@ -33,13 +33,14 @@ from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
 from trainer.errors import ConfigError
 from trainer.models.materialize import Source, swap_into
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, optimizer_state_tensors
 from trainer.parallel.experts import ExpertPlan
+from trainer.parallel.local_grads import LocalGrads
 from trainer.parallel.pieces import ShardGroup, split_by_options
 from trainer.parallel.precision import Precision
 from trainer.parallel.scaling import LossScaler
 from trainer.parallel.schedule import Schedule
-from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
+from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
 from trainer.parallel.used import Arrivals, UsedFlags
 
@@ -220,7 +221,7 @@ class FSDPEngine(Engine):
                 b.free()
             self.units.append(unit)
         if self.precision.mixed:  # buffers (parameters already point at cast buffers)
-            self._cast_module()
+            self.frozen.cast(self.module, self.precision.param_dtype)
         self.root = self.units[0]
         # The root is reduced last, from the end-of-backward callback; its first buffer
         # over all ranks carries the used-flags (a root without one sends them in one
@@ -585,7 +586,7 @@ class FSDPEngine(Engine):
             "grads": [b.grad_shard for b in bufs if b.grad_shard is not None]
             + module_grads
             + self._local_grads.tensors(),
-            "optimizer": self.optimizer_state(),
+            "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [b.grad_input.rows for b in bufs if b.grad_input is not None]
             + [b.reduced for b in bufs if b.reduced is not None],
         }

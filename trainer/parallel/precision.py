@@ -72,6 +72,43 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
     return x
 
 
+class FrozenMasters:
+    """fp32 values of the frozen parameters a mixed-precision module computes with in a
+    lower dtype. They have no master in any mode (nothing steps them), so their fp32
+    values are kept here: a saved model must not come back rounded to bf16."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, torch.Tensor] = {}
+
+    def cast(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Keep the frozen parameters' fp32 values, then cast the module (after the mode
+        built the masters of its trainable parameters)."""
+        for p in module.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                self._by_id[id(p)] = p.detach().clone()
+        cast_module(module, dtype)
+
+    def value(self, v: torch.Tensor) -> torch.Tensor:
+        """What to save of a tensor every rank keeps whole (buffer, frozen parameter),
+        not copied: its fp32 value where the module holds a cast copy, else itself."""
+        return self._by_id.get(id(v), v).detach()
+
+    def copy(self, v: torch.Tensor) -> torch.Tensor:
+        """`value(v)` as a CPU copy, floating tensors in fp32."""
+        c = self.value(v).cpu().clone()
+        return c.float() if c.is_floating_point() else c
+
+    @torch.no_grad()
+    def load(self, v: torch.Tensor, value: torch.Tensor) -> None:
+        """`value` into a tensor every rank keeps whole, and into its fp32 value if cast."""
+        v.copy_(value)
+        if id(v) in self._by_id:
+            self._by_id[id(v)].copy_(value)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._by_id.values())
+
+
 @torch.no_grad()
 def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast floating parameters and buffers in place, keeping the Parameter objects (the

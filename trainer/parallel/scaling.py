@@ -90,6 +90,7 @@ class LossScaler:
         # The ranks' agreed found-inf flag, 0-d on the device, once the gradients of the
         # current backward are unscaled; None until then (the engine resets it).
         self.found_inf: torch.Tensor | None = None
+        self.scaling = False  # inside `backward`, which scales the loss
 
     def to(self, device: torch.device | str) -> LossScaler:
         """Move the scale and counters to the device the gradients live on."""
@@ -100,6 +101,22 @@ class LossScaler:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, scaled first when enabled (`engine.backward`)."""
+        self.scaling = True
+        try:
+            self.scale_loss(loss).backward()
+        finally:
+            self.scaling = False
+
+    def refuse_unscaled(self) -> None:
+        """Raise where fp16 gradients arrive from a backward not started by `backward`."""
+        if self.enabled and not self.scaling:
+            raise ConfigError(
+                "precision=fp16 needs engine.backward(loss), which scales the loss: a plain "
+                "loss.backward() would let small fp16 gradients underflow to zero"
+            )
 
     @torch.no_grad()
     def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:

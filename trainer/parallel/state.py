@@ -32,26 +32,6 @@ from trainer.parallel.engine import Engine
 from trainer.parallel.pieces import ShardGroup
 
 
-def _optimizer_entry(state: dict[Any, dict[str, Any]], g: ShardGroup) -> dict[str, dict]:
-    """Optimizer state of one group: tensors shaped like their piece (exp_avg,
-    momentum_buffer, ...) laid out 1-D like `local` (zero where no piece has state), and
-    the rest (step counters) per parameter name."""
-    per_element: dict[str, torch.Tensor] = {}
-    scalar: dict[str, dict[str, Any]] = {}
-    for piece in g.pieces:
-        st = state.get(piece.tensor)
-        if not st:
-            continue
-        scalar[piece.name] = {}
-        for k, v in st.items():
-            if torch.is_tensor(v) and v.shape == piece.tensor.shape and k != "step":
-                flat = per_element.setdefault(k, v.new_zeros(g.local.numel(), device="cpu"))
-                flat[piece.start : piece.end] = v.detach().reshape(-1).cpu()
-            else:
-                scalar[piece.name][k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
-    return {"per_element": per_element, "scalar": scalar}
-
-
 def shard_layout(engine: Engine) -> dict[str, Any]:
     """Mode, world size and, per group, the parameters' names, shapes and offsets in
     the flat buffer and each rank's range of it: what a checkpoint needs to re-cut."""
@@ -99,40 +79,6 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
         "shard_group_size": size,
         "groups": groups,
         "keys": keys,
-    }
-
-
-@torch.no_grad()
-def sharded_state(engine: Engine) -> dict[str, Any]:
-    """This rank's model and optimizer state as CPU copies, 1-D per group, and the
-    layout; no communication. Unsharded groups are kept by rank 0 alone (ddp writes its
-    model once), sharded ones by the first shard group (its replicas hold the same
-    slices); other ranks hold None there. For comparing two engines' states (tests): a
-    checkpoint streams from the live tensors instead (`data_to_write`)."""
-    groups, opt = engine.shard_groups(), engine.optimizer
-    params, optim = [], []
-    for g in groups:
-        held = holds(engine, g)
-        params.append(g.local.detach().reshape(-1).cpu().clone() if held else None)
-        optim.append(_optimizer_entry(opt.state, g) if held else None)
-    layout = shard_layout(engine)
-    module = engine.module.state_dict(keep_vars=True)
-    whole = [k for k, name in layout["keys"] if name is None]
-    return {
-        "layout": layout,
-        "params": params,
-        "optim": optim,
-        # an fp16 run's lr is a device tensor ([Note: the schedule counts taken steps])
-        "optim_hparams": [
-            {
-                k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                for k, v in g.items()
-                if k != "params"
-            }
-            for g in opt.param_groups
-        ],
-        # fp32 like the masters, so a checkpoint does not depend on `precision`
-        "replicated": {k: engine.whole_copy(module[k]) for k in whole},
     }
 
 
@@ -193,7 +139,7 @@ def data_to_write(engine: Engine) -> tuple[list[DataEntry], list[dict[str, dict]
         module = engine.module.state_dict(keep_vars=True)
         for k, name in shard_layout(engine)["keys"]:
             if name is None:
-                v = engine.whole_value(module[k])
+                v = engine.frozen.value(module[k])
                 dtype = torch.float32 if v.is_floating_point() else v.dtype
                 entries.append((f"replicated/{k}", dtype, list(v.shape), [v]))
     return entries, scalars
@@ -272,7 +218,7 @@ def load_streamed(
             v = module[k]
             value = torch.empty(v.shape, dtype=_saved_dtype(v), device=v.device)
             replicated(k, value.reshape(-1))
-            engine.load_whole(v, value)
+            engine.frozen.load(v, value)
     engine.params_from_masters()
 
 

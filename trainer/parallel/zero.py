@@ -19,8 +19,6 @@ moving the model to its device: `.to()` would replace the views.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,13 +28,14 @@ from trainer import comm
 from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
 from trainer.parallel.buckets import BucketQueue
-from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn
+from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, optimizer_state_tensors
 from trainer.parallel.experts import ExpertPlan
 from trainer.parallel.flat import bucketize
+from trainer.parallel.local_grads import LocalGrads
 from trainer.parallel.pieces import ShardGroup, split_by_options
 from trainer.parallel.precision import Precision
 from trainer.parallel.scaling import LossScaler
-from trainer.parallel.sharded import LocalGrads, Reducer, ShardedBuffer, build_optimizer
+from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
 from trainer.parallel.used import UsedFlags
 
 # [Note: bounded buckets]
@@ -106,7 +105,7 @@ class ZeroEngine(Engine):
             self.buckets.append(b)
         self.buckets[-1].n_flags = len(self._used)  # launched last: every use is known
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
-            self._cast_module()
+            self.frozen.cast(self.module, self.precision.param_dtype)
         self._queue = BucketQueue(self.buckets, names, self._launch, self.name)
         self._reducer = Reducer(self._used)
         self._local_grads = LocalGrads()  # full gradients until reduced; no_sync's sums
@@ -147,18 +146,6 @@ class ZeroEngine(Engine):
         unused = self._used.unused_everywhere(self._reducer.finish())
         for b in self.buckets:
             b.hand_out(unused)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the first backward outside reduces them.
-
-        Memory cost: while inside, autograd keeps a full-size `.grad` on every parameter
-        (4Ψ bytes in fp32, as in ddp; with bf16 parameters a sum in the fp32 reduce dtype,
-        as FSDP2 keeps) on top of the sharded state, until the next synced backward
-        copies each into its bucket and frees it.
-        """
-        with super().no_sync():
-            yield
 
     # -- step: update this rank's slices, then AllGather them into the full parameters -----
     @torch.no_grad()
@@ -216,9 +203,9 @@ class ZeroEngine(Engine):
         return {
             "params": [b.full for b in self.buckets] + frozen,
             # fp32 masters when mixed; otherwise views of `full`, counted there already
-            "master": [b.master for b in self.buckets] + self.frozen_masters(),
+            "master": [b.master for b in self.buckets] + self.frozen.tensors(),
             "grads": grad_shards + inputs + local_grads + self._local_grads.tensors(),
-            "optimizer": self.optimizer_state(),
+            "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
         }
 

@@ -21,7 +21,13 @@ from trainer.data.text import codec_from_meta
 from trainer.data.tokens import read_meta
 from trainer.errors import TrainingError
 from trainer.models.build import data_dir, model_and_data
-from trainer.models.builtin import accuracy, aux_loss, expert_loads, loss_fn
+from trainer.models.builtin import (
+    accuracy,
+    aux_loss,
+    expert_loads,
+    loss_fn,
+    update_expert_bias,
+)
 from trainer.models.compile import compile_layers
 from trainer.models.lm import generate, positions, save_model_files
 from trainer.models.materialize import SeededInit, empty_weights
@@ -261,6 +267,7 @@ def train_step(run: Run, step: int) -> None:
     if every.skip_nonfinite:
         if not run.guard.finite_now(loss):
             engine.zero_grad()  # drop this step's gradients on every rank alike
+            update_expert_bias(engine.module, taken=False)  # and an MoE's routing counts
             run.skipped += 1
             return
     else:
@@ -270,6 +277,7 @@ def train_step(run: Run, step: int) -> None:
     # True, or False where fp16 gradients overflowed (no update, the loss scale lowered);
     # in fp16 a device flag, handed on unread ([Note: dynamic loss scaling])
     stepped = engine.step()
+    update_expert_bias(engine.module, stepped)  # an MoE's routing bias, if it has one
     run.scheduler.step(stepped)  # counts taken steps only
     run.lr = if_taken(stepped, lr, run.lr)
     run.tokens_per_step = targets.numel() * run.env.world_size if targets.dim() > 1 else 0
