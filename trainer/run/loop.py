@@ -423,9 +423,15 @@ def finish(run: Run) -> dict[str, Any]:
             f"done: {_mode_label(cfg)} on {env.world_size} rank(s), step {final['step']}, "
             f"loss {last.get('train/loss', float('nan')):.4f}, "
             f"accuracy {last.get('train/accuracy', float('nan')):.3f}, "
-            f"{last.get('perf/samples_per_s', 0):.0f} samples/s{_eval_line(run)} -> {run_dir}"
+            f"{_rate(last.get('perf/samples_per_s', 0))} samples/s{_eval_line(run)} -> {run_dir}"
         )
     return final
+
+
+def _rate(per_s: float) -> str:
+    """A rate for the final line: whole numbers from 10 up, two significant digits below
+    (a large model's 0.13 samples/s is not 0)."""
+    return f"{per_s:.0f}" if per_s >= 10 else f"{per_s:.2g}"
 
 
 def forward_backward(
