@@ -56,8 +56,11 @@ def _cfg(directory: Path, resume: str | None = None):
     return OmegaConf.create({"ckpt": ckpt, "resume": resume, "train": {"steps": STEPS}})
 
 
-def _train(env, engine, loader, cfg, stop: int = STEPS):
-    """The training loop's use of checkpoints, on a small GPT."""
+def _train(env, engine, loader, cfg, stop: int = STEPS, backward=None, check_saves=False):
+    """The training loop's use of checkpoints, on a small GPT. `backward(engine, x, y)`:
+    the step's forward and backward (the loop's own, for a model with an aux loss);
+    `check_saves`: an async save's commit at every step (each a check step here) and at
+    the end, as the loop does."""
     from trainer import checkpoint
 
     batches = iter(loader)
@@ -65,9 +68,16 @@ def _train(env, engine, loader, cfg, stop: int = STEPS):
     start = checkpoint.maybe_resume(cfg, engine, Path("unused"), **resumable)
     for step in range(start + 1, stop + 1):
         x, y = next(batches)
-        engine.backward(any_loss(engine(x), y))
+        if backward is None:
+            engine.backward(any_loss(engine(x), y))
+        else:
+            backward(engine, x, y)
         engine.step()
+        if check_saves:
+            checkpoint.check_save(torch.device("cpu"))
         checkpoint.maybe_save(cfg, engine, Path("unused"), step, **resumable)
+    if check_saves:
+        checkpoint.finish_save()  # stopped before the last step: what the loop's stop does
     return start, engine.full_state_dict()
 
 

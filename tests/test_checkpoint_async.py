@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from dist_harness import run_distributed
-from reference import any_loss
 from test_checkpoint import STEPS, STOP, _build
+from test_checkpoint import _train as train_saving
 from test_checkpoint_safety import TINY, _error_lines
 from test_cli import ROOT, TORCHRUN
 
@@ -30,21 +30,7 @@ def _cfg(directory: Path, in_background: bool, resume: str | None = None):
 
 
 def _train(env, engine, loader, cfg, stop: int = STEPS):
-    """The training loop's use of checkpoints: saves, and the commit of an async one at
-    every step (each a check step here) and at the end."""
-    from trainer import checkpoint
-
-    batches = iter(loader)
-    resumable = {"sampler": loader.batch_sampler}
-    start = checkpoint.maybe_resume(cfg, engine, Path("unused"), **resumable)
-    for step in range(start + 1, stop + 1):
-        x, y = next(batches)
-        engine.backward(any_loss(engine(x), y))
-        engine.step()
-        checkpoint.check_save(torch.device("cpu"))
-        checkpoint.maybe_save(cfg, engine, Path("unused"), step, **resumable)
-    checkpoint.finish_save()  # stopped before the last step: what the loop's stop does
-    return start, engine.full_state_dict()
+    return train_saving(env, engine, loader, cfg, stop, check_saves=True)
 
 
 def _saves_and_resumes(env, mode: str, root: Path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_harness import run_distributed
 from test_checkpoint import _cfg, _torchrun
+from test_checkpoint import _train as train_saving
 
 pytestmark = pytest.mark.slow  # starting ranks is most of it
 
@@ -41,20 +42,14 @@ def _build(env, mode: str, seed: int, e: int):
     return engine, make_loader(dataset, 8, env.rank, env.world_size, seed=0)
 
 
-def _train(env, engine, loader, cfg, stop: int = STEPS):
-    """The training loop's use of checkpoints, with the MoE aux loss as the loop adds it."""
-    from trainer import checkpoint
+def _with_aux_loss(engine, x, y) -> None:
     from trainer.run.loop import forward_backward
 
-    batches = iter(loader)
-    resumable = {"sampler": loader.batch_sampler}
-    start = checkpoint.maybe_resume(cfg, engine, Path("unused"), **resumable)
-    for step in range(start + 1, stop + 1):
-        x, y = next(batches)
-        forward_backward(engine, x, y, 1)
-        engine.step()
-        checkpoint.maybe_save(cfg, engine, Path("unused"), step, **resumable)
-    return start, engine.full_state_dict()
+    forward_backward(engine, x, y, 1)  # the MoE aux loss added as the loop adds it
+
+
+def _train(env, engine, loader, cfg, stop: int = STEPS):
+    return train_saving(env, engine, loader, cfg, stop, backward=_with_aux_loss)
 
 
 def _stop_and_resume(env, mode: str, root: Path, other_e: int):
