@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dist_harness import run_distributed
 
+from trainer.observe import heap
 from trainer.observe.memory import MiB, bandwidth, expected, expected_traffic, measure, report
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Tiny MLP(in_dim=3, hidden=5, depth=2, num_classes=3), Ψ = 68:
 #   layers.0  Linear(3, 5)  15 + 5 = 20
@@ -439,3 +446,70 @@ def test_monitor_reports_the_cuda_step_peak(fake_cuda):
     row = dict.fromkeys(["params", "master", "grads", "optimizer", "comm", "model_state"], 0)
     out = report([{**row, "peak": peak}], None, "cuda")
     assert out["memory/peak_cuda_allocated_MiB/max"] == 3.0
+
+
+def test_monitor_samples_the_step_peak_every_peak_every_steps(fake_cuda):
+    """The first step is sampled, then the first step of the first interval at least
+    `peak_every` steps after the last sample; the held bytes are read at each interval's
+    first step and at its end, not at every step."""
+    from trainer.observe.memory import MemoryMonitor
+
+    class OnCuda(torch.nn.Linear):
+        def parameters(self, recurse: bool = True):
+            yield SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: 4)
+
+    model = OnCuda(2, 2)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    walks = []
+    engine = SimpleNamespace(
+        module=model, optimizer=optimizer, state_tensors=lambda: walks.append(1) or {}
+    )
+    monitor = MemoryMonitor(engine, numel=6, peak_every=10)
+    sampled = []
+    for interval in range(6):  # intervals of 4 steps: samples at steps 1, 13 and 25
+        fake_cuda.calls.clear()
+        walks.clear()
+        for _ in range(4):
+            _cuda_step(fake_cuda, model, optimizer, 100)
+        assert len(walks) == 1, (interval, walks)  # the interval's first step only
+        sampled.append(monitor.end_interval()["peak"] >= 0)
+        assert fake_cuda.calls.count("reset") == int(sampled[-1]), (interval, fake_cuda.calls)
+    assert sampled == [True, False, False, True, False, False], sampled
+
+
+def _faults_per_round(env: dict, keep: bool = True) -> tuple[bool, float]:
+    """(whether keep_freed_pages() set malloc, minor page faults per round of allocating
+    and freeing 24 MB in 1.5 MB tensors, a small model's activations), in a fresh
+    interpreter whose malloc starts from glibc's initial thresholds (128 KiB; glibc raises
+    them with the largest block freed so far, which import-time frees make vary)."""
+    code = (
+        "import resource, sys, torch\n"
+        "from trainer.observe import heap\n"
+        "heap._mallopt(-3, 128 * 1024); heap._mallopt(-1, 128 * 1024)\n"
+        "print(heap.keep_freed_pages() if sys.argv[1] == 'keep' else False)\n"
+        "def round():\n"
+        "    ts = [torch.ones(384 * 1024) for _ in range(16)]\n"
+        "    del ts\n"
+        "for _ in range(5): round()\n"
+        "start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "for _ in range(50): round()\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / 50)\n"
+    )
+    argv = [sys.executable, "-c", code, "keep" if keep else "no"]
+    proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    kept, faults = proc.stdout.split()
+    return kept == "True", float(faults)
+
+
+@pytest.mark.skipif(not heap.available(), reason="glibc's malloc")
+def test_keep_freed_pages_stops_a_steps_page_faults():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("GLIBC_TUNABLES", None)
+    kept, faults = _faults_per_round(env)
+    assert kept and faults < 50, faults  # the pages of the round before are reused
+    # without it the freed 24 MB is returned and faulted back in at every round:
+    # 24 MB / 4 KiB = 6,144 faults
+    assert _faults_per_round(env, keep=False)[1] > 3000
+    # a user's own malloc setting is left as it is
+    kept, faults = _faults_per_round({**env, "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)})
+    assert not kept and faults > 3000, faults

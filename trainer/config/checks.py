@@ -55,6 +55,7 @@ def validate(cfg: DictConfig, world_size: int) -> None:
     _positive("train.steps", cfg.train.steps)
     _positive("train.batch_size", cfg.train.batch_size)
     _positive("train.log_every", cfg.train.log_every)
+    _positive("train.peak_every", cfg.train.peak_every)
     if "lr" in cfg.optim:
         _positive("optim.lr", cfg.optim.lr)
     if "bucket_mb" in cfg.mode:

@@ -29,6 +29,7 @@ class Train:
     batch_size: int = 128
     grad_accum_steps: int = 1
     log_every: int = 20
+    peak_every: int = 200
     eval_every: int = 0
     eval_batches: int | None = None
     on_nonfinite: str = "stop"

@@ -32,6 +32,7 @@ from trainer.models.compile import compile_layers
 from trainer.models.lm import generate, positions, save_model_files
 from trainer.models.materialize import SeededInit, empty_weights
 from trainer.models.weights import Pretrained
+from trainer.observe import heap
 from trainer.observe.memory import MemoryMonitor, count_params
 from trainer.observe.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
 from trainer.parallel import build_engine
@@ -57,6 +58,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Check the config before joining the group: every rank then fails alike, and none
     # leaves a peer stuck in the group's set-up.
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    heap.keep_freed_pages()  # a step reuses the last one's pages: [Note: keeping freed pages]
     env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
         return train_in_group(cfg, env)
@@ -234,7 +236,7 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     writer.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
     metrics = IntervalMetrics(
         env.device,
-        memory=MemoryMonitor(engine, psi),
+        memory=MemoryMonitor(engine, psi, cfg.train.peak_every),
         flops_per_token=6 * psi,  # forward 2Ψ + backward 4Ψ per prediction
         peak_flops=peak_flops(env.device, engine.precision.param_dtype),  # None on CPU
     )
@@ -342,7 +344,9 @@ def log_metrics(run: Run, step: int) -> None:
         if run.tokens_per_step:
             values["train/tokens_seen"] = float(step * run.tokens_per_step)
             shown["tok/s"] = f"{values['perf/tokens_per_s']:.0f}"
-        run.last = values
+        # final_metrics.json keeps the latest step-peak sample when the last interval had
+        # none ([Note: what a step costs the monitor] in memory.py)
+        run.last = {**{k: v for k, v in run.last.items() if "/peak_" in k}, **values}
         run.writer.scalars(values, step)
         run.bar.set_postfix(shown)
 
