@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 def run_cli(args: list[str], nproc: int | None = 2, timeout: float = 240):
     launcher = TORCHRUN + [f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
+    # a rank that dies of a signal (SIGABRT from an uncaught C++ exception, SIGSEGV)
+    # prints every thread's Python stack into stderr, which a failing test shows
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     return subprocess.run(
         launcher + [str(ROOT / "train.py"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=env,
     )
 
 
