@@ -36,7 +36,9 @@ the held-out set), the loss of each final model on every window of val.bin (`ful
 the same 1,716 windows of 64 predictions for both: a 20-batch figure moves by about 0.01
 from one draw of batches to the next; nanoGPT's model from the `ckpt.pt` it keeps, read
 with the checkout's own model.py), and the ratio of wall times to nanoGPT's of the same
-round.
+round. `--seeds 0,1,2,3` gives round r the r-th seed for every contender (ours `seed=`,
+nanoGPT's own train.py with its 1337 shifted by it): the loss columns are then the mean
+over seeds, as a 0.01 margin needs (one seed's full-val loss moves by about 0.01).
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the torchrun contenders")
     ap.add_argument("--modes", default="ddp,zero", help="modes at --nproc ranks")
     ap.add_argument("--contenders", help="a subset, e.g. nanogpt,ours_p1")
+    ap.add_argument(
+        "--seeds", default="0", help="seeds, one per round in turn (e.g. 0,1,2,3 with --rounds 4)"
+    )
     ap.add_argument("--work", type=Path, default=Path("bench_nanogpt"), help="runs go here")
     ap.add_argument("--out", type=Path, help="JSON results")
     ap.add_argument("--md", type=Path, help="markdown table")
@@ -98,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not (args.nanogpt / "train.py").is_file():
         ap.error(f"--nanogpt {args.nanogpt} has no train.py: give a nanoGPT checkout")
     args.modes = [m for m in args.modes.split(",") if m]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
     return args
 
 
@@ -155,16 +161,30 @@ def our_data(args: argparse.Namespace, nanogpt_dir: Path) -> Path:
 # One run of a contender
 
 
-def command(name: str, args: argparse.Namespace, data: Path, run_dir: Path) -> tuple:
+# nanoGPT seeds torch with 1337 and has no option for it: seed s runs its unchanged
+# train.py with torch.manual_seed shifted by s (seed 0: exactly its own command).
+NANOGPT_SEEDED = (
+    "import runpy, sys, torch\n"
+    "seed, own = int(sys.argv.pop(1)), torch.manual_seed\n"
+    "torch.manual_seed = lambda s: own(s + seed)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path('train.py', run_name='__main__')\n"
+)
+
+
+def command(name: str, args: argparse.Namespace, data: Path, run_dir: Path, seed: int = 0) -> tuple:
     """(argv, cwd, environment) of one run."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     if name == "nanogpt":
         argv = [sys.executable, "train.py", "config/train_shakespeare_char.py", *NANOGPT_ARGS]
+        if seed:
+            argv[1:1] = ["-c", NANOGPT_SEEDED, str(seed)]
         argv += [f"--max_iters={args.steps}", f"--lr_decay_iters={args.steps}"]
         argv += [f"--eval_interval={eval_every(args.steps)}"]
         argv += [f"--out_dir={run_dir.absolute()}"]
         return argv, args.nanogpt, {**env, "OMP_NUM_THREADS": str(args.threads)}
     recipe = [*our_recipe(data.absolute(), args.steps), f"hydra.run.dir={run_dir.absolute()}"]
+    recipe.append(f"seed={seed}")
     if name == "ours_p1":
         argv = [sys.executable, str(ROOT / "train.py"), *recipe]
         return argv, ROOT, {**env, "OMP_NUM_THREADS": str(args.threads)}
@@ -175,8 +195,8 @@ def command(name: str, args: argparse.Namespace, data: Path, run_dir: Path) -> t
     return argv, ROOT, {**env, "OMP_NUM_THREADS": str(threads)}
 
 
-def run_one(name: str, args: argparse.Namespace, data: Path, run_dir: Path) -> dict:
-    argv, cwd, env = command(name, args, data, run_dir)
+def run_one(name: str, args: argparse.Namespace, data: Path, run_dir: Path, seed: int) -> dict:
+    argv, cwd, env = command(name, args, data, run_dir, seed)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     load = os.getloadavg()[0]
@@ -190,7 +210,7 @@ def run_one(name: str, args: argparse.Namespace, data: Path, run_dir: Path) -> d
         )
     figures = nanogpt_figures(proc.stdout) if name == "nanogpt" else our_figures(run_dir)
     full = full_val_loss(name, args, data, run_dir)
-    return {"wall_s": wall, "load_1min": load, **figures, **full}
+    return {"wall_s": wall, "load_1min": load, "seed": seed, **figures, **full}
 
 
 def full_val_loss(name: str, args: argparse.Namespace, data: Path, run_dir: Path) -> dict:
@@ -268,11 +288,13 @@ def run(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
+        seed = args.seeds[r % len(args.seeds)]
         for n in order:
-            result = run_one(n, args, data, args.work / f"round{r}_{n}")
+            result = run_one(n, args, data, args.work / f"round{r}_{n}", seed)
             runs[n].append(result)
             print(
-                f"round {r} {n:14s} {result['wall_s']:7.1f} s  {result['step_ms']:6.1f} ms/step"
+                f"round {r} seed {seed} {n:14s} {result['wall_s']:7.1f} s"
+                f"  {result['step_ms']:6.1f} ms/step"
                 f"  val loss {result['val_loss']:.4f}  full val {result['full_val_loss']:.4f}"
                 f" (at {result['full_val_iter']})  load {result['load_1min']:.2f}",
                 flush=True,
@@ -282,6 +304,7 @@ def run(args: argparse.Namespace) -> dict:
         "threads": args.threads,
         "nproc": args.nproc,
         "data": args.data,
+        "seeds": [args.seeds[r % len(args.seeds)] for r in range(args.rounds)],
         "cpus": os.cpu_count(),
         "runs": runs,
         "rows": rows(names, runs),
@@ -296,8 +319,10 @@ def rows(names: list[str], runs: dict[str, list[dict]]) -> list[dict]:
             "contender": n,
             "wall_s": statistics.median(r["wall_s"] for r in rs),
             "step_ms": statistics.median(r["step_ms"] for r in rs),
-            "val_loss": statistics.median(r["val_loss"] for r in rs),
-            "full_val_loss": statistics.median(r["full_val_loss"] for r in rs),
+            # means: over the rounds' seeds, a loss is a sample of the seed's spread
+            "val_loss": statistics.mean(r["val_loss"] for r in rs),
+            "full_val_loss": statistics.mean(r["full_val_loss"] for r in rs),
+            "seeds": [r["seed"] for r in rs],
             "load_1min": [r["load_1min"] for r in rs],
         }
         if "nanogpt" in runs and n != "nanogpt":
@@ -312,7 +337,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"{result['steps']} steps, {result['threads']} threads per process (ranks: "
         f"{max(1, result['threads'] // result['nproc'])} each), {result['cpus']} CPUs, "
-        f"our data from {result['data']}",
+        f"our data from {result['data']}; seeds by round {result['seeds']}, losses their mean",
         "",
         "| run | wall s | / nanoGPT (per round) | per step ms | val loss | full val "
         "| load (1 min) |",

@@ -134,3 +134,24 @@ def test_bench_nanogpt_reads_nanogpts_output_and_spells_the_recipe(tmp_path: Pat
     assert cfg.model.bias is False and cfg.model.tie_weights is True
     assert list(cfg.optim.betas) == [0.9, 0.99] and cfg.optim.fused is True
     assert (cfg.train.steps, cfg.train.eval_every, cfg.train.eval_batches) == (500, 250, 40)
+
+
+def test_bench_nanogpt_seeds_nanogpt_without_changing_it(tmp_path: Path) -> None:
+    """`--seeds`: seed s runs nanoGPT's own train.py with its torch.manual_seed(1337) moved
+    to 1337 + s and its command line as given; seed 0 is its plain command."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import argparse
+
+    import bench_nanogpt
+
+    (tmp_path / "train.py").write_text(
+        "import sys, torch\ntorch.manual_seed(1337)\nprint(torch.initial_seed(), sys.argv)\n"
+    )
+    args = argparse.Namespace(nanogpt=tmp_path, steps=10, threads=1)
+    for seed, want in ((0, 1337), (2, 1339)):
+        argv, cwd, env = bench_nanogpt.command("nanogpt", args, tmp_path, tmp_path / "out", seed)
+        assert (argv[1] == "train.py") == (seed == 0)
+        out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=True)
+        initial, rest = out.stdout.split(" ", 1)
+        assert int(initial) == want
+        assert rest.startswith("['train.py', 'config/train_shakespeare_char.py', '--device=cpu'")
