@@ -241,3 +241,49 @@ def test_fsdp_built_on_meta_allocates_its_slices_not_the_model():
         bound = model_bytes / p + 2 * 4 * m["largest_unit"] + 3 * 2**20
         assert m["growth"] <= bound, (m, bound)
         assert m["growth"] < model_bytes / 2  # never the whole model
+
+
+def _hooks(env) -> dict:
+    """A gradient hook registered on a meta parameter before the build (refused), after a
+    meta build, and before an ordinary build (both must run), in each mode."""
+    from trainer.models.materialize import SeededInit, empty_weights
+    from trainer.run.loop import forward_backward
+
+    out = {}
+    x = torch.randint(37, (2, 8))
+    y = torch.randint(37, (2, 8))
+    for mode in ("ddp", "zero", "fsdp"):
+        with empty_weights():
+            model = Frozen().gpt
+        model.wte.weight.register_post_accumulate_grad_hook(lambda p: None)
+        try:
+            _engine(model, mode, SeededInit(0))
+            out[f"{mode} before meta"] = "built"
+        except ConfigError as e:
+            out[f"{mode} before meta"] = str(e)
+        for when in ("after meta", "before eager"):
+            fired = []
+            if when == "after meta":
+                with empty_weights():
+                    model = Frozen().gpt
+                engine = _engine(model, mode, SeededInit(0))
+                model.lm_head.weight.register_hook(lambda g, fired=fired: fired.append("pre") or g)
+            else:
+                model = Frozen().gpt
+                model.lm_head.weight.register_hook(lambda g, fired=fired: fired.append("pre") or g)
+                engine = _engine(model, mode)
+            forward_backward(engine, x, y, 1)
+            out[f"{mode} {when}"] = fired
+    return out
+
+
+def test_a_hook_on_a_meta_parameter_is_refused_and_hooks_otherwise_run():
+    got = run_distributed(_hooks, 1)[0]
+    for mode in ("ddp", "zero", "fsdp"):
+        assert got[f"{mode} before meta"] == (
+            "parameter wte.weight has a gradient hook registered on the meta device; "
+            "building gives it a new tensor, which would drop the hook: register hooks "
+            "after build_engine"
+        ), got
+        assert got[f"{mode} after meta"] == ["pre"], got
+        assert got[f"{mode} before eager"] == ["pre"], got

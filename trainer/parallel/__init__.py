@@ -79,6 +79,7 @@ def build_engine(
         )
     if has_meta(model):
         device = _state_device(model, device)
+        _refuse_hooks_on_meta(model)
         if source is None:
             raise ConfigError(
                 "the model's parameters are on the meta device: give build_engine a "
@@ -123,6 +124,25 @@ def build_engine(
 # `torch.device("meta")`) and frozen parameters. SeededInit seeds each module from the
 # seed and its name ([Note: initialising by module] in materialize.py), so the initial
 # model is bitwise the same in every mode and at every world size.
+def _refuse_hooks_on_meta(model: nn.Module) -> None:
+    """A meta parameter gets its values by `swap_into` (a new tensor under the same
+    Parameter object), and a tensor's gradient hooks do not follow a swap: registered
+    before the build, they would never run. Hooks registered after build_engine, or on a
+    model built with values, are kept."""
+    hooked = [
+        n for n, p in model.named_parameters()
+        if p.is_meta and (getattr(p, "_backward_hooks", None)
+                          or getattr(p, "_post_accumulate_grad_hooks", None))
+    ]  # fmt: skip
+    if hooked:
+        others = f" (and {len(hooked) - 1} other(s))" if len(hooked) > 1 else ""
+        raise ConfigError(
+            f"parameter {hooked[0]}{others} has a gradient hook registered on the meta "
+            "device; building gives it a new tensor, which would drop the hook: register "
+            "hooks after build_engine"
+        )
+
+
 def _materialize_whole_parts(model: nn.Module, source: Source, device: torch.device) -> None:
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_meta]
     values = [torch.empty(p.shape, dtype=p.dtype, device=device) for _, p in frozen]
