@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -68,11 +68,11 @@ _USER_SETTINGS = (
 )  # fmt: skip
 
 
-def keep_freed_pages(environ: Mapping[str, str] = os.environ) -> bool:
+def keep_freed_pages() -> bool:
     """Have glibc keep a step's freed blocks for the next step ([Note: keeping freed
     pages]). Returns whether it was set: not without glibc, nor where the environment
     already tunes malloc."""
-    if _mallopt is None or any(k in environ for k in _USER_SETTINGS):
+    if _mallopt is None or any(k in os.environ for k in _USER_SETTINGS):
         return False
     return bool(
         _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and _mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)

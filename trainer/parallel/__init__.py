@@ -115,25 +115,20 @@ def build_engine(
     )
 
 
-# [Note: building on meta]
-# A model built under `empty_weights()` has its parameters on the meta device: shapes, no
-# memory. Each mode allocates what it keeps and no more: ddp and zero the full
-# parameters (`materialize`), fsdp only this rank's slice of each unit, unit by unit
-# (fsdp.py), the values written straight into it by the source. What every rank keeps
-# whole is given its values first: buffers left on meta (a model built entirely under
-# `torch.device("meta")`) and frozen parameters. SeededInit seeds each module from the
-# seed and its name ([Note: initialising by module] in materialize.py), so the initial
-# model is bitwise the same in every mode and at every world size.
+def _grad_hooks(p: torch.Tensor) -> bool:
+    """Whether `p` has hooks from `register_hook` or `register_post_accumulate_grad_hook`
+    (torch keeps them in these dicts; removed ones leave them empty)."""
+    return bool(getattr(p, "_backward_hooks", None)) or bool(
+        getattr(p, "_post_accumulate_grad_hooks", None)
+    )
+
+
 def _refuse_hooks_on_meta(model: nn.Module) -> None:
     """A meta parameter gets its values by `swap_into` (a new tensor under the same
     Parameter object), and a tensor's gradient hooks do not follow a swap: registered
     before the build, they would never run. Hooks registered after build_engine, or on a
     model built with values, are kept."""
-    hooked = [
-        n for n, p in model.named_parameters()
-        if p.is_meta and (getattr(p, "_backward_hooks", None)
-                          or getattr(p, "_post_accumulate_grad_hooks", None))
-    ]  # fmt: skip
+    hooked = [n for n, p in model.named_parameters() if p.is_meta and _grad_hooks(p)]
     if hooked:
         others = f" (and {len(hooked) - 1} other(s))" if len(hooked) > 1 else ""
         raise ConfigError(
@@ -143,6 +138,15 @@ def _refuse_hooks_on_meta(model: nn.Module) -> None:
         )
 
 
+# [Note: building on meta]
+# A model built under `empty_weights()` has its parameters on the meta device: shapes, no
+# memory. Each mode allocates what it keeps and no more: ddp and zero the full
+# parameters (`materialize`), fsdp only this rank's slice of each unit, unit by unit
+# (fsdp.py), the values written straight into it by the source. What every rank keeps
+# whole is given its values first: buffers left on meta (a model built entirely under
+# `torch.device("meta")`) and frozen parameters. SeededInit seeds each module from the
+# seed and its name ([Note: initialising by module] in materialize.py), so the initial
+# model is bitwise the same in every mode and at every world size.
 def _materialize_whole_parts(model: nn.Module, source: Source, device: torch.device) -> None:
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_meta]
     values = [torch.empty(p.shape, dtype=p.dtype, device=device) for _, p in frozen]
