@@ -10,6 +10,7 @@ same lists, so every rank must build a mesh at the same point (engine constructi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -55,6 +56,17 @@ def check_shard_group_size(s: Any, world_size: int) -> None:
         )
 
 
+# Every group made here waits for its peers as long as the default group does
+# (dist.timeout_s, set by trainer/run/dist.py's init): torch gives a new group the
+# backend's default otherwise (30 minutes on Gloo), however short the run asked for.
+_timeout: timedelta | None = None
+
+
+def set_timeout(timeout: timedelta) -> None:
+    global _timeout
+    _timeout = timeout
+
+
 _meshes: dict[tuple[object, int], Mesh] = {}
 _across: set[dist.ProcessGroup] = set()  # replica groups: their traffic crosses shard groups
 _second: dict[object, dist.ProcessGroup | None] = {}
@@ -64,7 +76,7 @@ _partition: dict[dist.ProcessGroup, list[list[int]]] = {}
 
 def _subgroup(partition: list[list[int]]) -> dist.ProcessGroup:
     """This rank's group of `partition` (every rank calls it with the same lists)."""
-    group, _ = dist.new_subgroups_by_enumeration(partition)
+    group, _ = dist.new_subgroups_by_enumeration(partition, timeout=_timeout)
     _partition[group] = partition
     return group
 
@@ -88,20 +100,23 @@ def mesh(shard_group_size: int | None) -> Mesh:
     return _meshes[key]
 
 
-def gather_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
-    """A second group over the ranks of `group` (None: all ranks), with the same backend,
-    made once per group: its collectives are matched among themselves only, whatever
-    order they interleave with `group`'s on each rank (fsdp's AllGathers, [Note: one
-    collective order on every rank] in parallel/schedule.py). Every rank must first call
-    it at the same point, for every group of a partition (see `mesh`)."""
-    key = group if group is not None else dist.group.WORLD
+def gather_group(group: dist.ProcessGroup | None = None, role: str = "gather") -> dist.ProcessGroup:
+    """Another group over the ranks of `group` (None: all ranks), with the same backend,
+    made once per group and `role`: its collectives are matched among themselves only,
+    whatever order they interleave with `group`'s on each rank (fsdp's AllGathers, [Note:
+    one collective order on every rank] in parallel/schedule.py; role "again": the
+    AllGathers of a unit called again, [Note: a unit called again after another] in
+    parallel/calls.py). Every rank must first call it at the same point, for every group
+    of a partition (see `mesh`)."""
+    key = (group if group is not None else dist.group.WORLD, role)
     if key not in _second:
         if group is None:
-            _second[key] = dist.new_group(backend=dist.get_backend())
+            _second[key] = dist.new_group(backend=dist.get_backend(), timeout=_timeout)
         else:
             # Every group of the partition gets its twin; new_subgroups_by_enumeration
             # needs all ranks.
-            _second[key], _ = dist.new_subgroups_by_enumeration(_partition[group])
+            partition = _partition[group]
+            _second[key], _ = dist.new_subgroups_by_enumeration(partition, timeout=_timeout)
     return _second[key]
 
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.comm import groups as comm_groups
 from trainer.errors import ConfigError, PeerError
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -64,8 +65,9 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
     else:
         device = torch.device("cpu")
+    timeout = timedelta(seconds=timeout_s)
+    comm_groups.set_timeout(timeout)  # the groups the engines make wait as long
     if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(
                 backend, timeout=timeout, device_id=_device_id(device), **_attempt_store(timeout)
