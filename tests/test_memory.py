@@ -135,6 +135,12 @@ def _account(env, modes: list[str]):
         _, monitor = _one_step(env, mode, TINY, OPTIONS[mode], precision="bf16")
         bf16 = monitor.gather()
         out[mode] = {"tiny": tiny, "gathers": gathers, "medium": medium, "bf16": bf16}
+        if mode == "fsdp":  # MEDIUM looped: both hidden units called again after the other
+            for name, sizes in (("plain", MEDIUM), ("looped", {**MEDIUM, "loops": 2})):
+                comm.stats.reset()
+                _, monitor = _one_step(env, mode, sizes, MEDIUM_OPTIONS[mode])
+                sent = comm.stats.bytes_sent["all_gather"]
+                out[mode][name] = {"figures": monitor.gather(), "all_gather": sent}
     out["logged"] = _logged(env)
     return out
 
@@ -210,6 +216,18 @@ def test_measured_model_state_within_10pct_of_formula(accounted, mode):
     assert "memory/peak_cuda_allocated_MiB/max" not in figures
     traffic = {"ddp": 2, "zero": 2, "fsdp": 3}[mode] * (world - 1) / world * psi * 4
     assert figures["comm/expected_bytes_per_step"] == pytest.approx(traffic)
+
+
+def test_units_gathered_again_are_counted_and_expected(accounted):
+    """A looped model's units gathered again for their second call: counted, and in the
+    expected traffic. MEDIUM's two hidden units (min_unit_params 50,000) are each called
+    again after the other: two more AllGathers of 256 x 256 + 256 fp32 parameters."""
+    world, results = accounted
+    plain, looped = results[0]["fsdp"]["plain"], results[0]["fsdp"]["looped"]
+    again = 2 * (world - 1) * (256 * 256 + 256) // world * 4  # (P-1) x shard, 4 bytes
+    assert looped["all_gather"] - plain["all_gather"] == again
+    want = plain["figures"]["comm/expected_bytes_per_step"] + again
+    assert looped["figures"]["comm/expected_bytes_per_step"] == pytest.approx(want)
 
 
 def test_interval_metrics_log_memory_and_traffic(accounted):

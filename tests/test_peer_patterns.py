@@ -549,12 +549,74 @@ def _biases_only() -> nn.Module:
     return m
 
 
+# -- Weight sharing: one block called again between other blocks (ALBERT, looped models),
+# every rank alike; FSDP2 gathers it again for each call (its test_multi_forward_module)
+
+
+class SharedBlock(nn.Module):
+    """A residual block; `tie`: its two layers share one weight; `nested`: the block has a
+    parameter of its own around an inner block of units."""
+
+    def __init__(self, tie: bool = False, nested: bool = False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(IN, IN), nn.Linear(IN, IN)
+        if tie:
+            self.fc2.weight = self.fc1.weight
+        self.scale = nn.Parameter(torch.ones(IN) + 0.1 * torch.randn(IN)) if nested else None
+
+    def forward(self, x):
+        h = x + self.fc2(torch.tanh(self.fc1(x)))
+        return h if self.scale is None else h * self.scale
+
+
+class WeightShared(nn.Module):
+    """`shared` called before each of three other blocks; registered first or last (the
+    first or the last unit), called under no_grad once, or frozen."""
+
+    def __init__(self, last: bool = False, no_grad: bool = False, frozen: bool = False, **kw):
+        super().__init__()
+        if not last:
+            self.shared = SharedBlock(**kw)
+        self.others = nn.ModuleList(SharedBlock() for _ in range(3))
+        if last:
+            self.shared = SharedBlock(**kw)
+        self.head = nn.Linear(IN, OUT)
+        self.no_grad = no_grad
+        self.shared.requires_grad_(not frozen)
+
+    def forward(self, x):
+        for i, other in enumerate(self.others):
+            if self.no_grad and i == 1:
+                with torch.no_grad():
+                    extra = self.shared(x)
+                x = x + 0.5 * extra
+            else:
+                x = self.shared(x)
+            x = other(x)
+        return self.head(x)
+
+
+def _two_backwards_halves(run, x, y, i):
+    """Accumulation without no_sync: two backwards before one step."""
+    (x1, x2), (y1, y2) = x.chunk(2), y.chunk(2)
+    run.backward(any_loss(run(x1), y1) / 2)
+    run.backward(any_loss(run(x2), y2) / 2)
+
+
+def _shared_blocks(m: nn.Module) -> list[nn.Module]:
+    return [*m.others, m.shared]
+
+
 def _linears(m: nn.Module) -> list[nn.Module]:
     return [c for c in m.modules() if isinstance(c, nn.Linear)]
 
 
 def _blocks(m: nn.Module) -> list[nn.Module]:
     return list(m.children())
+
+
+def _linears_and_shared(m: nn.Module) -> list[nn.Module]:
+    return [*_linears(m), m.shared]  # the shared block around its own units
 
 
 FIND_UNUSED = {"find_unused_parameters": True}
@@ -651,6 +713,26 @@ CASES = [
         worlds=(2, 3, 4),
     ),
     Case("biases_only", "7", _biases_only, ddp=FIND_UNUSED, fsdp2=_blocks, worlds=(2, 3, 4)),
+    # 8. weight sharing: a unit called again after other units, every rank alike
+    *(
+        Case(
+            f"weight_shared{name}",
+            "8",
+            functools.partial(WeightShared, **kw),
+            step,
+            fsdp2=fsdp2,
+            worlds=(2, 3, 4),
+        )  # fmt: skip
+        for name, kw, step, fsdp2 in [
+            ("", {}, _one_loss, _linears),
+            ("_last_tied", {"last": True, "tie": True}, _one_loss, _shared_blocks),
+            ("_no_grad", {"no_grad": True}, _one_loss, _linears),
+            ("_frozen", {"frozen": True}, _one_loss, _linears),
+            ("_nested", {"nested": True}, _one_loss, _linears_and_shared),
+            ("_no_sync", {}, _no_sync_two_micro, _linears),
+            ("_accumulate", {"last": True}, _two_backwards_halves, _linears),
+        ]
+    ),
 ]
 # 4. parameters used on some ranks only: its own process groups (see the docstring)
 RANK_DEPENDENT = Case(

@@ -393,6 +393,8 @@ class MemoryMonitor:
         dense, experts, e = self._split()
         mode, b, r = self.engine.name, self.param_bytes, self.grad_bytes
         traffic = expected_traffic(mode, dense, b, p, r, s)
+        if traffic is not None:
+            traffic += self.engine.traffic_beyond_formula()
         if traffic is None or not experts:
             return traffic
         # the experts' reductions over the P/E ranks of the EDP group; AllToAlls apart

@@ -210,6 +210,12 @@ class Engine(ABC):
         units); what memory.py adds to its formula for the working set."""
         return 0
 
+    def traffic_beyond_formula(self) -> float:
+        """Bytes this rank sent in the last step beyond its mode's ring formula (fsdp:
+        units gathered again for a later call); memory.py adds them to the expected
+        traffic."""
+        return 0.0
+
     # -- gradient clipping -------------------------------------------------------------
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         """The gradients this rank holds after backward, and whether they are shards.

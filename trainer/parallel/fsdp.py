@@ -33,6 +33,7 @@ from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
 from trainer.errors import ConfigError
 from trainer.models.materialize import Source, swap_into
+from trainer.parallel.calls import CallRecord, reached_leaves
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, optimizer_state_tensors
 from trainer.parallel.experts import ExpertPlan
 from trainer.parallel.local_grads import LocalGrads
@@ -73,18 +74,21 @@ class _UnitBuffer(ShardedBuffer):
         self.empty = self.full.new_empty(0)
         self.gather: comm.Handle | None = None  # AllGather in flight into `full`
         self.gather_group: Any = None  # the twin of its shard group, set by the engine
+        self.again_group: Any = None  # another twin: gathers for a unit's later calls
 
     @property
     def is_full(self) -> bool:  # gathered, or being gathered
         return self.full.untyped_storage().nbytes() > 0
 
-    def unshard(self) -> None:
-        """Launch the AllGather of the full parameters, unless they are there already."""
+    def unshard(self, again: bool = False) -> None:
+        """Launch the AllGather of the full parameters, unless they are there already;
+        `again`: for a later call of the unit in this forward."""
         if self.is_full:
             return
         self.full.untyped_storage().resize_(self.nbytes)
         mine = self.master.detach().to(self.full.dtype)  # a cast copy in mixed precision
-        self.gather = comm.all_gather(self.full, mine, tag=self.tag, group=self.gather_group)
+        group = self.again_group if again else self.gather_group
+        self.gather = comm.all_gather(self.full, mine, tag=self.tag, group=group)
 
     def wait(self) -> None:
         """The AllGather done: the parameters point into `full` again."""
@@ -231,11 +235,11 @@ class FSDPEngine(Engine):
             self._flags_buffer.n_flags = len(self._used)
         # [Note: one collective order on every rank] in schedule.py
         self._schedule = Schedule(self.units[1:], self._unshard, self._turn)
-        self._ran: set[int] = set()  # units that ran in this forward
+        # what each forward ran; the check of forward AllGathers ([Note: a unit called
+        # again after another] in calls.py)
+        self._record = CallRecord(self.units, self.mesh.shard, self.rank)
         self._top: _Unit | None = None  # the unit whose forward runs outermost, if any
         self._pending: _Unit | None = None  # ran last, freed when another unit starts
-        self._opaque: list[_Unit] = []  # ran without grad in this forward
-        self._calls: list[_Unit] = []  # units in the order they ran in this forward
         # Parameters the forward's outputs reach since the last backward (by id)
         self._expected: set[int] = set()
         self._expect_fresh = True
@@ -244,12 +248,18 @@ class FSDPEngine(Engine):
         # AllGathers on a group of their own: a rank that skips a unit reduces it later in
         # backward than the others, so AllGathers and ReduceScatters interleave
         # differently across ranks, while each kind alone keeps one order.
-        gather_groups = {id(self.mesh): comm_groups.gather_group(self.mesh.shard)}
+        # And a third for the AllGathers of units called again after other units ([Note:
+        # a unit called again after another] in calls.py), which only that can need.
+        meshes = {id(self.mesh): self.mesh}
         if experts is not None:
-            edp = experts.groups.edp_mesh
-            gather_groups[id(edp)] = comm_groups.gather_group(edp.shard)
+            meshes[id(experts.groups.edp_mesh)] = experts.groups.edp_mesh
+        gather, again = {}, {}
+        for key, m in meshes.items():
+            gather[key] = comm_groups.gather_group(m.shard)
+            if reshard_after_forward:
+                again[key] = comm_groups.gather_group(m.shard, "again")
         for buf in self._buffers():
-            buf.gather_group = gather_groups[id(buf.mesh)]
+            buf.gather_group, buf.again_group = gather[id(buf.mesh)], again.get(id(buf.mesh))
         self._reducer = Reducer(self._used)
         self._local_grads = LocalGrads()  # full gradients until reduced; no_sync's sums
         for u in self.units:
@@ -260,18 +270,20 @@ class FSDPEngine(Engine):
         self.optimizer = build_optimizer(optimizer, self._buffers())
 
     # -- unshard / reshard ---------------------------------------------------------------
-    def _unshard(self, u: _Unit) -> None:
+    def _unshard(self, u: _Unit, again: bool = False) -> None:
         """Launch the AllGathers of `u`'s full parameters, unless they are there already."""
         for buf in u.flat_buffers:
-            buf.unshard()
+            buf.unshard(again)
 
     def _wait(self, u: _Unit) -> None:
-        for buf in u.flat_buffers:
-            buf.wait()
+        with self._record.timeouts():
+            for buf in u.flat_buffers:
+                buf.wait()
 
     def _reshard(self, u: _Unit) -> None:
-        for buf in u.flat_buffers:
-            buf.free()
+        with self._record.timeouts():
+            for buf in u.flat_buffers:
+                buf.free()
 
     # -- forward ---------------------------------------------------------------------------
     # [Note: freeing after forward]
@@ -281,13 +293,9 @@ class FSDPEngine(Engine):
     # with and without grad) then reuses its gathered parameters on whichever rank does
     # so, and no rank issues an AllGather the others do not. A unit that gathers nothing
     # (all its parameters frozen) frees nothing when it runs. A unit called again after
-    # another such unit ran in between would need a second AllGather, and a rank that
-    # calls it fewer times has nothing to pair it with: its next AllGather would meet this
-    # one (a hang, a Gloo abort, or, for units of equal size, silently mixed weights). No
-    # rank can know what its peers will call without a collective per unit and a host
-    # read, so such a call is refused before it sends anything, on the rank that makes
-    # it; that rank's process ends, and its peers' next collective fails at once. One rank
-    # alone has no peer and gathers it again.
+    # another such unit ran in between is gathered again, as FSDP2 does ([Note: a unit
+    # called again after another] in calls.py: what that takes when ranks call it
+    # differently).
     # With reshard_after_forward=false a unit stays gathered from its first call until
     # its turn in backward, whether its calls ran with grad or not: any number of calls,
     # in any order. Only a forward that runs wholly without grad (no backward follows)
@@ -297,11 +305,11 @@ class FSDPEngine(Engine):
     #
     # [Note: a forward that starts below the root]
     # `engine.module[0](x)` runs a unit (or a module enclosing units) without the root:
-    # FSDP2 trains it. The record of this forward (`_ran`, `_calls`, `_opaque`, the
-    # forward order) starts anew there when no backward is pending, as it does at every
-    # root forward; while one is pending (a forward with grad since the last backward)
-    # the call adds to the record, as a second root forward before one backward adds
-    # to the expected gradients. The outermost unit's forward ends the call: its outputs
+    # FSDP2 trains it. The record of this forward (`_record`, the forward order) starts
+    # anew there when no backward is pending, as it does at every root forward; while one
+    # is pending (a forward with grad since the last backward) the call adds to the
+    # record, as a second root forward before one backward adds to the expected
+    # gradients. The outermost unit's forward ends the call: its outputs
     # say which gradients come (`_expect`), and it is freed as a unit it encloses would
     # be. Units it did not run stay as they are until the backward; the root, which did
     # not run, is reduced last as always and its unused parameters keep no gradient.
@@ -335,9 +343,7 @@ class FSDPEngine(Engine):
         if outermost:
             self._top = u
         if u is self.root or (outermost and self._expect_fresh):  # a new record
-            self._ran = set()
-            self._calls = []  # units in the order they ran in this forward
-            self._opaque = []
+            self._record.start()
             if u is self.root:
                 self._unshard(u)
             self._schedule.start_forward()  # prefetches the first unit
@@ -345,31 +351,15 @@ class FSDPEngine(Engine):
             if u.flat_buffers and self._pending not in (None, u):  # [Note: freeing after forward]
                 self._reshard(self._pending)
                 self._pending = None
-            if id(u) in self._ran and not u.is_full:  # [Note: freeing after forward]
-                self._refuse_or_regather(u)
-            self._ran.add(id(u))
-            self._calls.append(u)
-            if not torch.is_grad_enabled():  # maybe inside a reentrant checkpoint, whose
-                self._opaque.append(u)  # recomputation in backward gives it gradients
+            again = id(u) in self._record.ran and not u.is_full
+            self._record.call(u)
+            if again:  # freed since its last call: [Note: a unit called again after another]
+                before = sum(comm.stats.bytes_sent.values())
+                self._unshard(u, again=True)
+                self._record.gathered_again(u, sum(comm.stats.bytes_sent.values()) - before)
             self._schedule.before_forward(u)  # catch up, u, prefetch
         self._wait(u)
         comm.record("forward_begin", u.tag)
-
-    def _refuse_or_regather(self, u: _Unit) -> None:
-        """`u` runs again in this forward after it was freed. One rank alone can gather it
-        again; with peers, that AllGather would have no partner on a rank that calls `u`
-        fewer times ([Note: freeing after forward])."""
-        if self.mesh.shard_size == 1:
-            self._unshard(u)
-            return
-        calls = 1 + sum(1 for v in self._calls if v is u)
-        raise ConfigError(
-            f"fsdp: unit {u.name!r} ran again on rank {self.rank} (call {calls} in this forward) "
-            "after it was freed (another unit with trainable parameters ran in between); its "
-            "AllGather would have no partner on ranks that call it fewer times. Set "
-            "mode.reshard_after_forward=false to keep units gathered until backward, or call "
-            "it only consecutively"
-        )
 
     def _post_forward(self, u: _Unit, output: Any) -> None:
         if self._in_backward:  # its backward needs the parameters next: keep them, add no hook
@@ -402,10 +392,11 @@ class FSDPEngine(Engine):
             if u is self.root or self._expect_fresh:  # no backward needs them: free all now
                 for v in self.units:
                     self._reshard(v)
+                self._record.check(self.device)  # no backward follows to check after
             return
         if self.reshard_after_forward and u is self.root:  # skipped: freed as the ranks
             for v in self._schedule.units:  # that ran them freed them
-                if id(v) not in self._ran:
+                if id(v) not in self._record.ran:
                     self._reshard(v)
         self._expect(outs)
 
@@ -421,22 +412,10 @@ class FSDPEngine(Engine):
         if self.world_size == 1:  # no peer to keep in step with: expect every gradient
             self._expected.update(id(p) for u in self.units for p in u.params)
             return
-        seen: set[Any] = set()
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        self._expected.update(id(t) for t in outputs if t.grad_fn is None)  # leaves
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient
-            if leaf is not None:
-                self._expected.add(id(leaf))
-                continue
-            stack.extend(n for n, _ in node.next_functions if n is not None)
+        self._expected.update(reached_leaves(outputs))
         # Units that ran without grad inside a forward with grad: a reentrant checkpoint
         # hides them from the graph until its recomputation. Expect all their gradients.
-        self._expected.update(id(p) for v in self._opaque for p in v.params)
+        self._expected.update(id(p) for v in self._record.opaque for p in v.params)
 
     # -- backward --------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -535,6 +514,7 @@ class FSDPEngine(Engine):
         self._expect_fresh = True  # the next forward's graph says what the next backward gets
         self._top = None
         self._schedule.reset_backward()
+        self._record.check(self.device)  # before any gradient reaches the optimizer
 
     def _flags_alone(self) -> torch.Tensor:
         flags = torch.empty(len(self._used), device=self.device)
@@ -547,17 +527,26 @@ class FSDPEngine(Engine):
 
     def working_set_bytes(self) -> int:
         """Full params (their dtype) and grads (reduce dtype) of the root unit, gathered
-        from forward through backward, and of the two largest other units (one computing,
-        one prefetched or being reduced)."""
+        from forward through backward; the full params of every unit gathered again for a
+        later call so far, kept across its calls' backwards ([Note: a unit called again
+        after another] in calls.py); and of the two largest other units' params and grads
+        (one computing, one prefetched or being reduced; grads only for a unit kept)."""
 
-        def working(u: _Unit) -> int:
-            return sum(
-                buf.layout.padded_numel * (buf.full.element_size() + buf.reduce_dtype.itemsize)
-                for buf in u.flat_buffers
-            )
+        def full(u: _Unit) -> tuple[int, int]:  # bytes of its full params, of its grads
+            params = sum(b.layout.padded_numel * b.full.element_size() for b in u.flat_buffers)
+            grads = sum(b.layout.padded_numel * b.reduce_dtype.itemsize for b in u.flat_buffers)
+            return params, grads
 
-        others = sorted((working(u) for u in self.units[1:]), reverse=True)
-        return working(self.root) + sum(others[:2])
+        again = self._record.again
+        kept = sum(full(u)[0] for u in again.values())
+        others = sorted(
+            (full(u)[1] + (0 if id(u) in again else full(u)[0]) for u in self.units[1:]),
+            reverse=True,
+        )
+        return sum(full(self.root)) + kept + sum(others[:2])
+
+    def traffic_beyond_formula(self) -> float:
+        return self._record.sent_again_last_step  # the last step's extra AllGathers
 
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         # This rank's (S,) slice of each flat buffer's averaged gradient; padding is zero,
@@ -573,6 +562,7 @@ class FSDPEngine(Engine):
                 p.grad = None
         self._local_grads.clear()
         self._used.clear()
+        self._record.end_step()
 
     # -- state -----------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:

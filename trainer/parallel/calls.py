@@ -1,0 +1,201 @@
+"""fsdp's record of the units each forward calls and of the gradients its outputs lead to,
+and the check that the ranks' AllGathers paired up when a unit was gathered again ([Note:
+a unit called again after another]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from trainer import comm
+from trainer.errors import ConfigError, PeerError
+from trainer.observe import host
+
+# [Note: a unit called again after another]
+# Weight sharing calls one unit several times in a forward with other units in between
+# (ALBERT, looped models: `for o in others: x = o(shared(x))`). With
+# reshard_after_forward=true the unit was freed when the next unit started, so each later
+# call gathers it again, as FSDP2 does. These AllGathers run on a group of their own (a
+# third twin of the shard group, comm/groups.py): ranks that skip different units issue
+# the schedule's AllGathers at other points between them, so on one group the two kinds
+# would pair with each other. In backward the unit is gathered once, at its turn in the
+# one order (schedule.py), and stays gathered across its calls' backwards: autograd sums
+# a parameter's gradient over all its uses before it accumulates it, so the unit's
+# gradients are done, and it is freed and reduced once, after its first call's backward.
+# Each unit gathered again is thus held through part of backward (`working_set_bytes`
+# counts them: one unit for one shared block, every unit for a model looping over all).
+# The ranks' AllGathers pair up only if every rank gathers the same units again in the
+# same order. When the ranks' calls differ, they need not:
+#   - a rank that gathers again more often than its peers waits for an AllGather that no
+#     peer issues: every rank then hangs until the collective timeout (dist.timeout_s),
+#     and the rank that gathered again says so in one line (`timeouts`);
+#   - ranks that gather again as often but other units, or in another order, pair wrong
+#     buffers: of different sizes, Gloo aborts the process; of equal sizes the values mix
+#     silently. So each rank hashes the sequence of units it gathered again, and after a
+#     backward (or a forward without grad) in which it did, it compares the hash with its
+#     peers' in one small AllReduce of its 64 bits, before any gradient reaches the
+#     optimizer: a mismatch is refused in one line on every rank, with each rank's count.
+#     A rank that gathered nothing again issues no such AllReduce and needs none: then no
+#     peer did either, or every rank is already hanging (above).
+# The check rides on no collective of the step: on the root's ReduceScatter it would add
+# its 64 columns to every fsdp step and mix the shard groups' hashes under hybrid
+# sharding, where only a shard group's ranks pair up (the AllReduce runs over the shard
+# group). Steps that gather nothing again cost nothing; one that does costs the AllReduce
+# and one host read.
+
+SIGNATURE_BITS = 64
+
+
+class CallRecord:
+    """The units a forward ran (`ran`, `calls`, `opaque`: what fsdp.py's hooks consult),
+    and since the last check, the calls that gathered a unit again, in order."""
+
+    def __init__(self, units: Sequence[Any], group: Any, rank: int):
+        self._position = {id(u): i for i, u in enumerate(units)}  # the root is 0
+        self._group, self._rank = group, rank
+        self._peers = comm.world_size(group) > 1  # one rank alone pairs with nobody
+        self.again: dict[int, Any] = {}  # units ever gathered again, by id
+        self.sent_again = 0.0  # bytes their AllGathers sent since the last step
+        self.sent_again_last_step = 0.0
+        self.start()
+        self._reset_check()
+
+    def start(self) -> None:
+        """A new forward's record (a root forward, or one below it with no backward due)."""
+        self.ran: set[int] = set()  # units that ran in this forward
+        self.calls: Counter[int] = Counter()  # calls of each unit in this forward
+        self.opaque: list[Any] = []  # units that ran without grad in this forward
+
+    def call(self, u: Any) -> int:
+        """`u` runs (again): the number of this call in this forward, from 1."""
+        self.ran.add(id(u))
+        self.calls[id(u)] += 1
+        if not torch.is_grad_enabled():  # maybe inside a reentrant checkpoint, whose
+            self.opaque.append(u)  # recomputation in backward gives it gradients
+        return self.calls[id(u)]
+
+    # -- AllGathers of forwards, and the check ---------------------------------------------
+    def _reset_check(self) -> None:
+        self._hash = hashlib.blake2b(digest_size=SIGNATURE_BITS // 8)
+        self.regathered: list[tuple[str, int]] = []  # (unit, call) gathered again
+
+    def gathered_again(self, u: Any, sent: float) -> None:
+        """`u`'s call in this forward gathered it again, sending `sent` bytes."""
+        self.regathered.append((u.name, self.calls[id(u)]))
+        self._hash.update(self._position[id(u)].to_bytes(4, "little"))
+        self.again[id(u)] = u
+        self.sent_again += sent
+
+    def end_step(self) -> None:
+        self.sent_again_last_step, self.sent_again = self.sent_again, 0.0
+
+    def check(self, device: torch.device) -> None:
+        """After a backward, or a forward without grad: refuse on every rank if the ranks'
+        forward AllGathers since the last check differ. Free when nothing was gathered again."""
+        if not self.regathered or not self._peers:
+            self._reset_check()
+            return
+        digest = int.from_bytes(self._hash.digest(), "little")
+        bits = torch.tensor([(digest >> i) & 1 for i in range(SIGNATURE_BITS)], dtype=torch.float32)
+        bits = bits.to(device)
+        comm.all_reduce(bits, tag="gather_check", account=False, group=self._group).wait()
+        n = comm.world_size(self._group)
+        # every bit summed over the ranks is 0 or n exactly when all hashes agree
+        agree = host.item(((bits == 0) | (bits == n)).all(), "fsdp gather check")
+        mine = self.regathered
+        self._reset_check()
+        if agree:
+            return
+        everyone: list[Any] = [None] * n
+        torch.distributed.all_gather_object(everyone, mine, group=self._group)
+        raise ConfigError(_mismatch(everyone))
+
+    @contextlib.contextmanager
+    def timeouts(self) -> Iterator[None]:
+        """A collective that times out after this rank gathered a unit again: say why."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not self.regathered or "timed out" not in str(e).lower():
+                raise
+            unit, call = self.regathered[-1]
+            raise PeerError(
+                f"fsdp: rank {self._rank} gathered unit {unit!r} again (call {call} in a "
+                "forward) and no peer answered within dist.timeout_s: the ranks called "
+                "weight-shared units a different number of times under "
+                "reshard_after_forward=true. Call them alike on every rank, or set "
+                "mode.reshard_after_forward=false"
+            ) from e
+
+
+def reached_leaves(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """The leaves (by id) whose gradients `outputs` lead to through the autograd graph:
+    what torch DDP's find_unused_parameters walks, from the outputs."""
+    reached = {id(t) for t in outputs if t.grad_fn is None}  # leaves themselves
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient
+        if leaf is not None:
+            reached.add(id(leaf))
+            continue
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return reached
+
+
+def _mismatch(everyone: list[list[tuple[str, int]]]) -> str:
+    """One line: the first unit gathered again a different number of times on some ranks
+    (or, as often everywhere, in another order), and each rank's count."""
+    counts = [Counter(u for u, _ in calls) for calls in everyone]
+    units = list(dict.fromkeys(u for calls in everyone for u, _ in calls))
+    unit = next((u for u in units if len({c[u] for c in counts}) > 1), units[0])
+    said = ", ".join(f"rank {r}: {c[unit]}" for r, c in enumerate(counts))
+    if all(len({c[u] for c in counts}) == 1 for u in units):
+        said += ", in another order"
+    return (
+        f"fsdp: the ranks gathered units again differently in this step (unit {unit!r}: "
+        f"{said}): they called weight-shared units differently under "
+        "reshard_after_forward=true, so their AllGathers paired up wrongly; nothing was "
+        "stepped. Call them alike on every rank, or set mode.reshard_after_forward=false"
+    )
+
+
+def gathered_again(
+    calls: Sequence[tuple[str, str]], units: Sequence[str], gathers: set[int]
+) -> dict[int, int]:
+    """AllGathers again, by unit index, that fsdp's forward hooks (`FSDPEngine._pre_forward`,
+    `_post_forward`, reshard_after_forward=true) issue in a root forward making `calls`
+    (("pre" | "post", module name), in order): the estimate's count of them. `units`:
+    unit names in `plan_units` order (the root first); `gathers`: the indices of units
+    with parameters to gather. [Note: freeing after forward] in fsdp.py: a unit is freed
+    when the next unit with parameters to gather starts."""
+    index = {name: i for i, name in enumerate(units) if i and i in gathers}
+    ran: set[int] = set()
+    full: set[int] = set()
+    pending: int | None = None  # ran last, freed when another unit starts
+    again: Counter[int] = Counter()
+    for event, name in calls:
+        i = index.get(name)
+        if i is None:
+            continue
+        if pending not in (None, i):
+            full.discard(pending)
+            pending = None
+        if event == "post":
+            pending = i
+            continue
+        if i in ran and i not in full:
+            again[i] += 1
+        ran.add(i)
+        full.add(i)
+    return dict(again)
