@@ -72,6 +72,9 @@ class Activations:
     peak: int  # bytes: the peak of the forward and backward pass ([Note: counting activations])
     saved: int  # bytes alive when the forward ends: what autograd saved (and the loss)
     predictions: int  # targets in the micro-batch: tokens (language models) or samples
+    # ("pre" | "post", module name) of each module's forward, in order (backward's
+    # recomputations left out): which units a forward calls again (parallel/calls.py)
+    calls: tuple[tuple[str, str], ...] = ()
 
 
 def measure_passes(
@@ -89,6 +92,10 @@ def measure_passes(
             cast_module(model, precision.param_dtype)
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(_drop_grad)
+        calls: list[tuple[str, str]] = []
+        for name, m in model.named_modules():
+            m.register_forward_pre_hook(lambda m, a, name=name: calls.append(("pre", name)))
+            m.register_forward_hook(lambda m, a, o, name=name: calls.append(("post", name)))
         out = []
         for b in micro_batches:
             x = torch.empty((b, *x0.shape), dtype=x0.dtype)
@@ -96,11 +103,12 @@ def measure_passes(
             known = [*model.parameters(), *model.buffers(), x, y]
             with LiveBytes(known) as live:
                 (inputs,) = precision.cast_in((x,))
+                del calls[:]
                 loss = loss_fn(precision.cast_out(model(inputs)), y)
-                saved = live.live
+                saved, forward = live.live, tuple(calls)
                 loss.backward()
                 del loss
-            out.append(Activations(live.peak, saved, y.numel()))
+            out.append(Activations(live.peak, saved, y.numel(), forward))
         return out
 
 

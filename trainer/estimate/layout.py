@@ -88,6 +88,10 @@ class Plan:
     psi: int  # Ψ, trainable parameter elements of the model (every expert)
     options: dict[str, Any] = field(default_factory=dict)
     expert_parallel: int = 1  # E: each rank lays out n_experts / E of the experts
+    units: list[str] = field(default_factory=list)  # fsdp: unit names, `plan_units` order
+    # fsdp: AllGathers again per forward, by unit index, of units called again after
+    # other units ([Note: a unit called again after another] in parallel/calls.py)
+    again: dict[int, int] = field(default_factory=dict)
 
     @property
     def sharded(self) -> bool:
@@ -189,7 +193,8 @@ def plan(
             carrier.n_flags = len(named)
     else:
         flat_buffers[-1].n_flags = len(named)
-    return Plan(mode, flat_buffers, shard, psi, options, e)
+    names = [u.name for u in units] if mode == "fsdp" else []
+    return Plan(mode, flat_buffers, shard, psi, options, e, names)
 
 
 def _flat(
@@ -284,8 +289,10 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
     ReduceScatters in flight, at most `BUCKETS_IN_FLIGHT` + 1 buckets ([Note: bounded
     buckets]), each (S, shard + flags) in the reduce dtype. fsdp: the engine's
     `working_set_bytes()`: full parameters and gradients of the root unit and of the two
-    largest other units. Both keep every reduced slice until backward ends; in fp32 those
-    are the shard gradients (model state), in a lower reduce dtype they come on top. With
+    largest other units, and the full parameters of every unit gathered again for a
+    later call (an upper bound for those: they are freed one by one). Both keep
+    every reduced slice until backward ends; in fp32 those are the shard gradients
+    (model state), in a lower reduce dtype they come on top. With
     several micro-batches, zero and fsdp also keep every full gradient in the reduce
     dtype between them (`no_sync`). Backend receive buffers are not counted: NCCL keeps
     its own, and Gloo's p2p path needs none at P = 2 ([Note: p2p collectives on Gloo])."""
@@ -301,10 +308,13 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
         ]
         return extra + sum(sorted(rows, reverse=True)[: BUCKETS_IN_FLIGHT + 1])
     per_unit: dict[int, int] = {}
+    kept = 0  # full params of units gathered again, held across their calls' backwards
     for f in p.flat_buffers:
-        per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (b + r)
+        again = f.unit in p.again
+        kept += f.layout.padded_numel * b if again else 0
+        per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (r + (not again) * b)
     root = per_unit.pop(0, 0)
-    return extra + root + sum(sorted(per_unit.values(), reverse=True)[:2])
+    return extra + root + kept + sum(sorted(per_unit.values(), reverse=True)[:2])
 
 
 # [Note: the build peak]

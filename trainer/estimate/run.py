@@ -20,7 +20,7 @@ from trainer.estimate import layout
 from trainer.estimate.activations import Activations, measure_passes
 from trainer.estimate.traffic import Cluster, collectives, split, step_time
 from trainer.observe.metrics import PEAK_FLOPS
-from trainer.parallel import experts
+from trainer.parallel import calls, experts
 from trainer.parallel.precision import Precision
 from trainer.run.optim import optimizer_factory, param_options
 
@@ -78,6 +78,10 @@ def estimate(
             plan = layout.bare(mode, psi, s, engine_options(cfg))
         else:
             plan = mode_plan(cfg, model, s)
+            if passes is not None and mode == "fsdp":  # units called again after others
+                forward = next(iter(passes.values()))[0].calls
+                gathers = {f.unit for f in plan.flat_buffers}
+                plan.again = calls.gathered_again(forward, plan.units, gathers)
         state = layout.max_model_state(plan, precision, opt)
         sent = collectives(plan, precision, world, k, buffers)
         fig: dict[str, Any] = {

@@ -48,8 +48,10 @@ class Sent:
 #   zero  one ReduceScatter per bucket, once per step; one AllGather per bucket after the
 #         optimizer step;
 #   fsdp  per micro-batch, an AllGather of every unit before its forward and again before
-#         its backward (once with reshard_after_forward=false), the root unit's once; one
-#         ReduceScatter per buffer, once per step.
+#         its backward (once with reshard_after_forward=false), the root unit's once, and
+#         one more for each later call of a unit called again after other units (`again`
+#         of the plan, from the estimate's forward); one ReduceScatter per buffer, once
+#         per step.
 #   With expert parallelism ([Note: expert parameters in every mode] in
 #   parallel/experts.py) the experts' buffers are reduced (and gathered) the same way over
 #   the P/E ranks of rank 0's expert-data-parallel group, 0, E, 2E, ...; the AllToAlls
@@ -108,8 +110,9 @@ def collectives(
             out.append(Sent("all_gather", gather, shard_group, EXPOSED))
             continue
         twice = not f.root and p.options.get("reshard_after_forward", True)
+        again = p.again.get(f.unit, 0) if twice else 0
         for _ in range(micro_batches):
-            out.append(Sent("all_gather", gather, shard_group, FORWARD))
+            out += [Sent("all_gather", gather, shard_group, FORWARD)] * (1 + again)
             if twice:
                 out.append(Sent("all_gather", gather, shard_group, BACKWARD))
     return out

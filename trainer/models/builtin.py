@@ -66,7 +66,9 @@ def _restored(buffers: list[Tensor]) -> Iterator[None]:
 
 
 class MLP(nn.Module):
-    """`depth` hidden Linear+ReLU layers and a Linear classification head."""
+    """`depth` hidden Linear+ReLU layers and a Linear classification head. `loops` > 1
+    runs the hidden layers after the first that many times (weight sharing across depth,
+    as a looped model: each layer is called again after the others)."""
 
     def __init__(
         self,
@@ -75,11 +77,15 @@ class MLP(nn.Module):
         depth: int = 3,
         num_classes: int = 10,
         activation_checkpointing: bool = False,
+        loops: int = 1,
     ) -> None:
         super().__init__()
         self.activation_checkpointing = activation_checkpointing
         if depth < 1:
             raise ConfigError(f"MLP depth {depth} must be at least 1")
+        if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+            raise ConfigError(f"model.loops={loops!r} must be a whole number of at least 1")
+        self.loops = loops
         dims = [in_dim] + [hidden] * depth
         # One Linear per entry so that FSDP can make each hidden layer its own unit.
         self.layers = nn.ModuleList(
@@ -89,14 +95,19 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.flatten(1)  # (B, in_dim); also accepts (B, C, H, W) images
-        if self.activation_checkpointing:
-            # Segments of two layers, each keeping only its input. One Linear+ReLU keeps
-            # a single activation anyway: checkpointing layer by layer would save nothing.
-            for i in range(0, len(self.layers), 2):
-                x = checkpointed(_relu_layers, self.layers[i : i + 2], x)  # (B, hidden)
-        else:
-            x = _relu_layers(self.layers, x)  # (B, hidden)
+        x = self._hidden(self.layers, x)  # (B, hidden)
+        for _ in range(self.loops - 1):  # the hidden-to-hidden layers again
+            x = self._hidden(self.layers[1:], x)
         return self.head(x)  # (B, num_classes)
+
+    def _hidden(self, layers: nn.ModuleList, x: Tensor) -> Tensor:
+        if not self.activation_checkpointing:
+            return _relu_layers(layers, x)
+        # Segments of two layers, each keeping only its input. One Linear+ReLU keeps a
+        # single activation anyway: checkpointing layer by layer would save nothing.
+        for i in range(0, len(layers), 2):
+            x = checkpointed(_relu_layers, layers[i : i + 2], x)
+        return x
 
 
 def _relu_layers(layers: nn.ModuleList, x: Tensor) -> Tensor:
