@@ -139,6 +139,9 @@ class Case:
     # between[step]: a layer that every rank then runs alone, forward and backward, with
     # a step of its own (FSDP2's test_non_root_forward_backward); None: nothing
     between: tuple = ()
+    # a unit called again after another on some ranks only: fsdp (reshard_after_forward)
+    # stops there, tested on its own below; every other mode trains it
+    differ: bool = False
 
 
 def _slice(t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -193,6 +196,8 @@ def _run_cases(env, cases: list[Case], modes: list[str]) -> dict:
     out: dict = {}
     for case in cases:
         for mode in ["torch_ddp", *modes]:
+            if case.differ and mode == "fsdp":
+                continue
             try:
                 out[case.name, mode] = {"state": _train(env, case, mode)}
             except Exception as e:  # recorded: the test reports it
@@ -241,7 +246,7 @@ def _skip_cases(world: int) -> list[Case]:
     return cases
 
 
-def _random_case(seed: int, world: int) -> Case:
+def _random_case(seed: int, world: int, differ: bool = False) -> Case:
     rnd = random.Random(seed)
     n = rnd.randint(3, 8)
     blocks = tuple((rnd.choice([0, 0, 5, 20]), rnd.random() < 0.4) for _ in range(n))
@@ -272,9 +277,9 @@ def _random_case(seed: int, world: int) -> Case:
                 steps.append(("nograd", i))
         return tuple(steps)
 
-    # Weight sharing, every rank alike: unit i called again right after unit j (i < j),
-    # both run with grad on every rank, j trainable ([Note: a unit called again after
-    # another] in trainer/parallel/calls.py). From a stream of its own too.
+    # Weight sharing, every rank alike (`differ`: on one rank): unit i called again right
+    # after unit j (i < j), both run with grad on every rank, j trainable ([Note: a unit
+    # called again after another] in trainer/parallel/calls.py). From a stream of its own.
     shared = random.Random(f"{seed}/called again")
 
     def called_again(ranks: list[tuple]) -> tuple:
@@ -284,10 +289,11 @@ def _random_case(seed: int, world: int) -> Case:
         if not pairs or shared.random() < 0.4:
             return tuple(ranks)
         i, j = shared.choice(pairs)
+        one = shared.randrange(len(ranks)) if differ else None
         out = []
-        for r in ranks:  # after j's last call (again at once, aside or under no_grad)
+        for rank, r in enumerate(ranks):  # after j's last call (at once, aside, no_grad)
             at = 1 + max(k for k, s in enumerate(r) if (s[1] if isinstance(s, tuple) else s) == j)
-            out.append((*r[:at], i, *r[at:]))
+            out.append((*r[:at], i, *r[at:]) if one in (None, rank) else r)
         return tuple(out)
 
     plans = tuple(
@@ -298,13 +304,15 @@ def _random_case(seed: int, world: int) -> Case:
     between = tuple(
         more.choice(alone) if alone and more.random() < 0.5 else None for _ in range(STEPS)
     )
-    return Case(f"random{seed}", spec, plans, seed=seed, between=between)
+    name = f"random{seed}" + ("_differ" if differ else "")
+    return Case(name, spec, plans, seed=seed, between=between, differ=differ)
 
 
 # Seeds 0 and 1 found two defects while fsdp's one order was written (a frozen unit called
 # twice in a row taken for a repeat after being freed; a frozen checkpointed unit's
 # recomputation taken for a nested backward): they stay among the draws, which are fixed.
 RANDOM_SEEDS = tuple(range(12))
+DIFFER_SEEDS = (100, 101, 102)  # re-calls on one rank only
 
 
 def _describe(case: Case) -> str:
@@ -317,6 +325,7 @@ def _results(world: int, which: str) -> tuple[list[Case], list[dict]]:
         cases = _skip_cases(world)
     else:
         cases = [_random_case(s, world) for s in RANDOM_SEEDS]
+        cases += [_random_case(s, world, differ=True) for s in DIFFER_SEEDS]
     results = run_distributed(
         _run_cases, world, cases, list(MODES), timeout=600, pg_timeout_s=PG_TIMEOUT_S
     )
@@ -326,6 +335,8 @@ def _results(world: int, which: str) -> tuple[list[Case], list[dict]]:
 def _check(world: int, which: str, mode: str) -> None:
     cases, results = _results(world, which)
     for case in cases:
+        if case.differ and mode == "fsdp":  # it stops: test_a_unit_called_again_differently...
+            continue
         for r, res in enumerate(results):
             got, want = res.get((case.name, mode)), res.get((case.name, "torch_ddp"))
             if got is None or want is None or "error" in got or "error" in want:

@@ -127,10 +127,10 @@ class CallRecord:
             unit, call = self.regathered[-1]
             raise PeerError(
                 f"fsdp: rank {self._rank} gathered unit {unit!r} again (call {call} in a "
-                "forward) and no peer answered within dist.timeout_s: the ranks called "
-                "weight-shared units a different number of times under "
-                "reshard_after_forward=true. Call them alike on every rank, or set "
-                "mode.reshard_after_forward=false"
+                "forward) and no peer answered within dist.timeout_s: a rank that calls "
+                "weight-shared units more often than its peers under "
+                "reshard_after_forward=true waits so (unless a peer stopped). Call them "
+                "alike on every rank, or set mode.reshard_after_forward=false"
             ) from e
 
 
