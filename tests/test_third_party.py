@@ -1,6 +1,8 @@
 """Models we did not write: HF transformers' GPT-2 and Llama (tied embeddings) and timm's
 ViT, built from small configs with random weights (nothing is downloaded), under fsdp's
-default unit policy, and trained in every mode against torch's DistributedDataParallel.
+default unit policy, and trained in every mode against torch's DistributedDataParallel;
+and ALBERT, whose one layer runs three times (weight sharing across depth), with its
+attention and feed-forward layers as fsdp units, gathered again for each later call.
 
 All (model, mode) runs share one process group: one `run_distributed` call trains them
 all, so the module costs seconds, not a process start per case.
@@ -68,6 +70,22 @@ def build(kind: str, seed: int) -> nn.Module:
             tie_word_embeddings=True,
         )
         return LlamaForCausalLM(cfg)
+    if kind == "albert":
+        from transformers import AlbertConfig, AlbertForMaskedLM
+
+        cfg = AlbertConfig(
+            vocab_size=VOCAB,
+            embedding_size=16,
+            hidden_size=32,
+            num_hidden_layers=3,  # the one layer group, three times
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=16,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            classifier_dropout_prob=0.0,
+        )
+        return AlbertForMaskedLM(cfg)
     import timm
 
     return timm.create_model(
@@ -124,18 +142,26 @@ def _frozen_first_layer(model: nn.Module) -> nn.Module:
     return model
 
 
-def _ours(env, kind: str, mode: str, frozen: bool = False) -> tuple[dict, list[str]]:
+# ALBERT's layer split into units (attention, each feed-forward Linear, the LayerNorms):
+# each is called again after the others in every one of the layer's three runs
+ALBERT_UNITS = {"unit_classes": ["AlbertAttention"], "min_unit_params": 1}
+
+
+def _ours(env, kind: str, mode: str, frozen: bool = False, **options) -> tuple[dict, list[str]]:
     from trainer.parallel import build_engine
 
     # A fresh model per engine (fsdp empties the module's parameters), built with a
     # rank-dependent seed: rank 0's values must reach every rank at construction.
     model = build(kind, seed=env.rank)
-    engine = build_engine(_frozen_first_layer(model) if frozen else model, mode, sgd)
+    model = _frozen_first_layer(model) if frozen else model
+    engine = build_engine(model, mode, sgd, **options)
     for x, y in _slices(env, kind):
         out = engine(x)
         engine.backward(loss_of(out, y))
         engine.step()
     units = [u.name for u in engine.units] if mode == "fsdp" else []
+    if kind == "albert" and mode == "fsdp":  # the units it gathered again, with their calls
+        units = [u.name for u in engine._record.again.values()]
     return engine.full_state_dict(), units
 
 
@@ -159,6 +185,12 @@ def _train_all(env) -> dict:
             out[kind, mode] = _ours(env, kind, mode)
     out["gpt2 frozen", "torch"] = _torch_ddp(env, "gpt2", frozen=True)
     out["gpt2 frozen", "fsdp"] = _ours(env, "gpt2", "fsdp", frozen=True)
+    out["albert", "torch"] = _torch_ddp(env, "albert")
+    for mode in MODES:
+        out["albert", mode] = _ours(env, "albert", mode, **(ALBERT_UNITS if mode == "fsdp" else {}))
+    out["albert", "fsdp_keep"] = _ours(
+        env, "albert", "fsdp", reshard_after_forward=False, **ALBERT_UNITS
+    )
     return out
 
 
@@ -230,3 +262,21 @@ def test_a_frozen_layer_is_an_empty_unit_and_stays_put(trained):
         for k in got:
             if k.startswith("transformer.h.0."):
                 assert torch.equal(got[k], init[k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [*MODES, "fsdp_keep"])
+def test_albert_shares_its_layer_in_every_mode(trained, mode):
+    """ALBERT runs its one layer three times; fsdp (reshard_after_forward=true) gathers
+    each unit of it again for the second and third runs. Same bound as above."""
+    for res in trained:
+        got, again = res["albert", mode]
+        assert _max_diff(got, res["albert", "torch"]) <= 1e-6, (
+            mode,
+            _max_diff(got, res["albert", "torch"]),
+        )
+        if mode == "fsdp":
+            layer = "albert.encoder.albert_layer_groups.0.albert_layers.0."
+            assert sorted(again) == sorted(
+                layer + n for n in ("attention", "ffn", "ffn_output", "full_layer_layer_norm")
+            ), again
