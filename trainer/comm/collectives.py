@@ -469,6 +469,14 @@ def broadcast_object(objects: list, src: int = 0, group=None) -> None:
     dist.broadcast_object_list(objects, src, group=group)
 
 
+def all_gather_object(obj: object, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order (control messages: not in the stats)."""
+    out: list = [None] * world_size(group)
+    launch("all_gather_object", "", 0, account=False, group=group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def wait_all(handles: Sequence[Handle]) -> None:
     for h in handles:
         h.wait()

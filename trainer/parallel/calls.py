@@ -72,13 +72,12 @@ class CallRecord:
         self.calls: Counter[int] = Counter()  # calls of each unit in this forward
         self.opaque: list[Any] = []  # units that ran without grad in this forward
 
-    def call(self, u: Any) -> int:
-        """`u` runs (again): the number of this call in this forward, from 1."""
+    def call(self, u: Any) -> None:
+        """`u` runs (again) in this forward."""
         self.ran.add(id(u))
         self.calls[id(u)] += 1
         if not torch.is_grad_enabled():  # maybe inside a reentrant checkpoint, whose
             self.opaque.append(u)  # recomputation in backward gives it gradients
-        return self.calls[id(u)]
 
     # -- AllGathers of forwards, and the check ---------------------------------------------
     def _reset_check(self) -> None:
@@ -96,8 +95,8 @@ class CallRecord:
         self.sent_again_last_step, self.sent_again = self.sent_again, 0.0
 
     def check(self, device: torch.device) -> None:
-        """After a backward, or a forward without grad: refuse on every rank if the ranks'
-        forward AllGathers since the last check differ. Free when nothing was gathered again."""
+        """After a backward, or a forward without grad: refuse on every rank if the units
+        the ranks gathered again since the last check differ. Free when none was."""
         if not self.regathered or not self._peers:
             self._reset_check()
             return
@@ -112,9 +111,7 @@ class CallRecord:
         self._reset_check()
         if agree:
             return
-        everyone: list[Any] = [None] * n
-        torch.distributed.all_gather_object(everyone, mine, group=self._group)
-        raise ConfigError(_mismatch(everyone))
+        raise ConfigError(_mismatch(comm.all_gather_object(mine, group=self._group)))
 
     @contextlib.contextmanager
     def timeouts(self) -> Iterator[None]:
