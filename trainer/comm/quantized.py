@@ -1,0 +1,214 @@
+"""Collectives that send int8 blocks instead of floats (ZeRO++'s qwZ and qgZ): a quarter of
+fp32's bytes, one fp32 scale per `block` values included ([Note: int8 blocks]).
+
+    comm.all_gather_int8(full, shard, block=256, group=g).wait()      # qwZ
+    comm.reduce_scatter_int8(out, flat, average=True, group=g).wait()  # qgZ
+    comm.all_reduce_int8(flat, average=True).wait()                    # qgZ + qwZ
+
+Each packs its values on the compute stream and hands the bytes to collectives.py's
+`all_gather` or all_to_all.py's `all_to_all` (byte counting of what is handed over,
+scales included; test hooks; Gloo fast path; comm stream); the returned Handle
+dequantizes (and sums) once that collective is waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from trainer.comm.all_to_all import all_to_all
+from trainer.comm.collectives import Handle, all_gather, world_size
+
+QMAX = 127  # int8 values in [-127, 127]: symmetric, so -x quantizes to -q(x)
+
+# [Note: int8 blocks]
+# A flat tensor is cut into blocks of `block` values (the last one zero-padded); each block
+# keeps scale = max|x| / 127 in fp32 and q = round(x / scale) in int8, so
+# |x - q * scale| <= scale / 2 for every value (plus fp32 rounding of the two products).
+# An all-zero block has scale 0 and q 0, with no division by it. A block holding an inf or
+# a NaN gets a non-finite scale and q 0, so every value of it dequantizes to NaN (0 * inf):
+# fp16's overflow check downstream still sees it and the step is skipped on every rank.
+# What travels is one uint8 row per destination: [q (n_blocks * block)] [scales (4 *
+# n_blocks bytes)] [exact tail (4 * tail bytes)]; the tail carries control values that
+# must arrive exactly (the used-flags, [Note: used flags] in parallel/used.py) in fp32.
+# Every receiver, the sender included, dequantizes the same bytes, so all ranks hold the
+# same values; what was quantized (a master shard, a gradient) is never modified.
+
+
+def n_blocks(numel: int, block: int) -> int:
+    return max(1, -(-numel // block))
+
+
+def row_bytes(numel: int, block: int, tail: int = 0) -> int:
+    """Bytes of one packed row holding `numel` quantized values and `tail` exact fp32 ones."""
+    nb = n_blocks(numel, block)
+    return nb * block + 4 * nb + 4 * tail
+
+
+def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., n) floats -> (..., nb * block) int8 and (..., nb) fp32 scales, per block."""
+    n = x.shape[-1]
+    nb = n_blocks(n, block)
+    padded = x.new_zeros((*x.shape[:-1], nb * block), dtype=torch.float32)
+    padded[..., :n] = x
+    blocks = padded.view(*x.shape[:-1], nb, block)
+    scale = blocks.abs().amax(dim=-1) / QMAX  # (..., nb); inf or NaN with a non-finite value
+    usable = torch.isfinite(scale) & (scale > 0)
+    inv = torch.where(usable, 1.0 / torch.where(usable, scale, 1.0), 0.0)
+    q = (blocks * inv.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX)
+    q = torch.where(usable.unsqueeze(-1), q, 0.0)  # NaN * 0 stays NaN: zero it before the cast
+    return q.to(torch.int8).view(*x.shape[:-1], nb * block), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
+    """The inverse of `quantize`: (..., nb * block) int8, (..., nb) -> (..., numel) fp32."""
+    nb = scale.shape[-1]
+    blocks = q.view(*q.shape[:-1], nb, -1).float() * scale.unsqueeze(-1)
+    return blocks.view(*q.shape[:-1], -1)[..., :numel]
+
+
+def pack(x: torch.Tensor, block: int, tail: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, n) floats (and an (R, t) exact tail) -> (R, row_bytes) uint8 rows."""
+    q, scale = quantize(x, block)
+    parts = [q.view(torch.uint8), scale.view(torch.uint8)]
+    if tail is not None:
+        parts.append(tail.float().contiguous().view(torch.uint8))
+    return torch.cat(parts, dim=-1)
+
+
+def unpack(
+    rows: torch.Tensor, numel: int, block: int, tail: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, row_bytes) uint8 -> (R, numel) dequantized fp32 values and (R, tail) fp32."""
+    nb = n_blocks(numel, block)
+    q = rows[:, : nb * block].view(torch.int8)
+    scale = rows[:, nb * block : nb * block + 4 * nb].contiguous().view(torch.float32)
+    exact = rows[:, nb * block + 4 * nb :].contiguous().view(torch.float32)
+    return dequantize(q, scale, numel), exact[:, :tail]
+
+
+def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """(P, n) -> (n,) fp32 sum, added in source-rank order: the same on every run."""
+    total = rows[0].clone()
+    for r in range(1, rows.shape[0]):
+        total.add_(rows[r])
+    return total
+
+
+class Then(Handle):
+    """A collective's Handle and the step that turns its bytes into values: both done by
+    `wait()`, the step on the caller's (compute) stream, after the collective."""
+
+    __slots__ = ("_inner", "_then")
+
+    def __init__(self, inner: Handle, then: Callable[[], None]):
+        super().__init__(None)
+        self._inner, self._then = inner, then
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self._inner.wait()
+        self._then()
+        self._inner = self._then = None
+        self.done = True
+
+
+def all_gather_int8(
+    output: torch.Tensor, input: torch.Tensor, *, block: int = 256, tag: str = "", group=None
+) -> Handle:
+    """All ranks' `input` shards (S,) quantized once by their owner, gathered as int8 and
+    dequantized into `output` (P*S,) in its dtype on every rank, the owner's own shard
+    included ([Note: int8 blocks]). `input` is read at launch and left as it is."""
+    p = world_size(group)
+    s = input.numel()
+    if output.numel() != s * p:
+        raise ValueError(f"all_gather_int8: output has {output.numel()} elements, not {p} x {s}")
+    mine = pack(input.detach().reshape(1, s), block).view(-1)  # (row_bytes,)
+    rows = mine.new_empty(p, mine.numel())  # (P, row_bytes)
+    handle = all_gather(rows.view(-1), mine, tag=tag, group=group)
+
+    def dequantized() -> None:
+        values, _ = unpack(rows, s, block)  # (P, S) fp32
+        output.view(p, s).copy_(values)
+
+    return Then(handle, dequantized)
+
+
+def reduce_scatter_int8(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    average: bool = False,
+    block: int = 256,
+    exact_tail: int = 0,
+    tag: str = "",
+    group=None,
+) -> Handle:
+    """Rank r receives the sum (or mean) of every rank's r-th 1/P slice of flat `input`:
+    each slice quantized once by its sender, exchanged in one all-to-all and summed in
+    fp32 by its owner in source-rank order (one quantization per value, not one per ring
+    hop). The last `exact_tail` values of each slice travel exactly ([Note: int8 blocks])."""
+    p = world_size(group)
+    width = output.numel()
+    if input.numel() != width * p:
+        raise ValueError(
+            f"reduce_scatter_int8: input has {input.numel()} elements, expected {p} x {width}"
+        )
+    n = width - exact_tail
+    rows = input.detach().view(p, width)
+    send = pack(rows[:, :n], block, rows[:, n:] if exact_tail else None)  # (P, row_bytes)
+    received = torch.empty_like(send)
+    handle = all_to_all(received, send, tag=tag, group=group)
+
+    def summed() -> None:
+        values, exact = unpack(received, n, block, exact_tail)
+        output[:n].copy_(_sum_rows(values))
+        if exact_tail:
+            output[n:].copy_(_sum_rows(exact))
+        if average and p > 1:
+            output.div_(p)
+
+    return Then(handle, summed)
+
+
+def all_reduce_int8(
+    tensor: torch.Tensor,
+    *,
+    average: bool = False,
+    block: int = 256,
+    exact_tail: int = 0,
+    tag: str = "",
+    group=None,
+) -> Handle:
+    """Sum (or average) flat `tensor` over ranks in place, as a ring AllReduce is a
+    ReduceScatter and an AllGather: each rank's 1/P chunk is quantized, exchanged in one
+    all-to-all and summed in fp32 by its owner, which quantizes the sum once and
+    all-gathers it as int8; every rank, the owner included, keeps the dequantized result.
+    The last `exact_tail` values go exactly to every rank in the same all-to-all and are
+    summed there. The AllGather is launched when the handle is waited for: handles must
+    be waited for in the order they were launched, the same on every rank."""
+    p = world_size(group)
+    n = tensor.numel() - exact_tail
+    chunk = -(-n // p)  # values each rank owns, the last chunk zero-padded
+    flat = tensor.detach().view(-1)
+    values = flat.new_zeros(p * chunk, dtype=torch.float32)
+    values[:n] = flat[:n]
+    tail = flat[n:].float().expand(p, exact_tail) if exact_tail else None
+    send = pack(values.view(p, chunk), block, tail)  # (P, row_bytes)
+    received = torch.empty_like(send)
+    handle = all_to_all(received, send, tag=tag, group=group)
+
+    def gathered() -> None:
+        parts, exact = unpack(received, chunk, block, exact_tail)
+        mine = _sum_rows(parts)  # (chunk,) this rank's chunk, summed in source order
+        if average and p > 1:
+            mine.div_(p)
+        all_gather_int8(values, mine, block=block, tag=tag, group=group).wait()
+        flat[:n].copy_(values[:n])
+        if exact_tail:
+            total = _sum_rows(exact)
+            flat[n:].copy_(total.div_(p) if average and p > 1 else total)
+
+    return Then(handle, gathered)
