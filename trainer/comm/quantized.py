@@ -36,6 +36,11 @@ QMAX = 127  # int8 values in [-127, 127]: symmetric, so -x quantizes to -q(x)
 # same values; what was quantized (a master shard, a gradient) is never modified.
 
 
+def chunk_of(numel: int, p: int) -> int:
+    """Values each rank owns in `all_reduce_int8` of `numel` values (the last zero-padded)."""
+    return -(-numel // p)
+
+
 def n_blocks(numel: int, block: int) -> int:
     return max(1, -(-numel // block))
 
@@ -68,9 +73,22 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor
     return blocks.view(*q.shape[:-1], -1)[..., :numel]
 
 
-def pack(x: torch.Tensor, block: int, tail: torch.Tensor | None = None) -> torch.Tensor:
-    """(R, n) floats (and an (R, t) exact tail) -> (R, row_bytes) uint8 rows."""
+def pack(
+    x: torch.Tensor,
+    block: int,
+    tail: torch.Tensor | None = None,
+    error: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(R, n) floats (and an (R, t) exact tail) -> (R, row_bytes) uint8 rows. With
+    `error` (R, n) fp32, error feedback: it is added to `x` before quantizing and then
+    holds this quantization's error (zero where that is not finite, so an fp16 overflow
+    skips one step and does not poison the next ones)."""
+    if error is not None:
+        x = x.float() + error
     q, scale = quantize(x, block)
+    if error is not None:
+        err = x - dequantize(q, scale, x.shape[-1])
+        error.copy_(torch.where(torch.isfinite(err), err, 0.0))
     parts = [q.view(torch.uint8), scale.view(torch.uint8)]
     if tail is not None:
         parts.append(tail.float().contiguous().view(torch.uint8))
@@ -143,13 +161,15 @@ def reduce_scatter_int8(
     average: bool = False,
     block: int = 256,
     exact_tail: int = 0,
+    error: torch.Tensor | None = None,
     tag: str = "",
     group=None,
 ) -> Handle:
     """Rank r receives the sum (or mean) of every rank's r-th 1/P slice of flat `input`:
     each slice quantized once by its sender, exchanged in one all-to-all and summed in
     fp32 by its owner in source-rank order (one quantization per value, not one per ring
-    hop). The last `exact_tail` values of each slice travel exactly ([Note: int8 blocks])."""
+    hop). The last `exact_tail` values of each slice travel exactly ([Note: int8 blocks]).
+    `error` (P, S - exact_tail) fp32: error feedback, see `pack`."""
     p = world_size(group)
     width = output.numel()
     if input.numel() != width * p:
@@ -158,7 +178,7 @@ def reduce_scatter_int8(
         )
     n = width - exact_tail
     rows = input.detach().view(p, width)
-    send = pack(rows[:, :n], block, rows[:, n:] if exact_tail else None)  # (P, row_bytes)
+    send = pack(rows[:, :n], block, rows[:, n:] if exact_tail else None, error)  # (P, row_bytes)
     received = torch.empty_like(send)
     handle = all_to_all(received, send, tag=tag, group=group)
 
@@ -179,6 +199,7 @@ def all_reduce_int8(
     average: bool = False,
     block: int = 256,
     exact_tail: int = 0,
+    error: torch.Tensor | None = None,
     tag: str = "",
     group=None,
 ) -> Handle:
@@ -188,15 +209,16 @@ def all_reduce_int8(
     all-gathers it as int8; every rank, the owner included, keeps the dequantized result.
     The last `exact_tail` values go exactly to every rank in the same all-to-all and are
     summed there. The AllGather is launched when the handle is waited for: handles must
-    be waited for in the order they were launched, the same on every rank."""
+    be waited for in the order they were launched, the same on every rank. `error`
+    (P, chunk) fp32: error feedback on the first quantization, see `pack`."""
     p = world_size(group)
     n = tensor.numel() - exact_tail
-    chunk = -(-n // p)  # values each rank owns, the last chunk zero-padded
+    chunk = chunk_of(n, p)
     flat = tensor.detach().view(-1)
     values = flat.new_zeros(p * chunk, dtype=torch.float32)
     values[:n] = flat[:n]
     tail = flat[n:].float().expand(p, exact_tail) if exact_tail else None
-    send = pack(values.view(p, chunk), block, tail)  # (P, row_bytes)
+    send = pack(values.view(p, chunk), block, tail, error)  # (P, row_bytes)
     received = torch.empty_like(send)
     handle = all_to_all(received, send, tag=tag, group=group)
 
