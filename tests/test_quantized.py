@@ -104,6 +104,24 @@ def _collectives(env, block: int) -> dict:
     res = torch.empty(64)
     comm.reduce_scatter_int8(res, h.view(-1), average=True, block=block).wait()
     out["inf"] = bool(torch.isfinite(res).all())
+    # a simulated link of 0.05 Gb/s and 2 ms: each collective lasts at least its bytes / link
+    import time
+
+    comm.simulated_link(0.05, 0.002)
+    try:
+        took = {}
+        for name, call in (
+            ("all_gather", lambda: comm.all_gather(full, shard)),
+            ("all_gather_int8", lambda: comm.all_gather_int8(full, shard, block=block)),
+            ("barrier", lambda: comm.barrier()),  # sends nothing: no link time
+        ):
+            comm.stats.reset()
+            t = time.perf_counter()
+            call().wait()
+            took[name] = (time.perf_counter() - t, sum(comm.stats.bytes_sent.values()))
+    finally:
+        comm.simulated_link(None)
+    out["link"] = took
     return out
 
 
@@ -199,3 +217,14 @@ def test_inf_on_one_rank_reaches_its_owner(runs):
     p, res = runs
     assert res[0]["inf"] is False  # rank p-1's inf went to rank 0's slice
     assert all(r["inf"] for r in res[1:])
+
+
+def test_simulated_link_holds_each_collective_for_its_bytes(runs):
+    p, res = runs
+    for r in res:
+        for name in ("all_gather", "all_gather_int8"):
+            seconds, sent = r["link"][name]
+            assert sent > 0 and seconds >= sent * 8 / 0.05e9 + 0.002, (name, seconds, sent)
+        # fp32 vs packed int8: the link time follows the bytes actually handed over
+        assert r["link"]["all_gather_int8"][1] < 0.3 * r["link"]["all_gather"][1]
+        assert r["link"]["barrier"][1] == 0
