@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from trainer.comm.all_to_all import all_to_all
-from trainer.comm.collectives import Handle, all_gather, world_size
+from trainer.comm.collectives import Handle, all_gather, all_reduce, reduce_scatter, world_size
 
 QMAX = 127  # int8 values in [-127, 127]: symmetric, so -x quantizes to -q(x)
 
@@ -143,6 +143,8 @@ def all_gather_int8(
     s = input.numel()
     if output.numel() != s * p:
         raise ValueError(f"all_gather_int8: output has {output.numel()} elements, not {p} x {s}")
+    if p == 1:  # one rank: nothing travels, nothing to quantize
+        return all_gather(output, input.detach().to(output.dtype), tag=tag, group=group)
     mine = pack(input.detach().reshape(1, s), block).view(-1)  # (row_bytes,)
     rows = mine.new_empty(p, mine.numel())  # (P, row_bytes)
     handle = all_gather(rows.view(-1), mine, tag=tag, group=group)
@@ -176,6 +178,8 @@ def reduce_scatter_int8(
         raise ValueError(
             f"reduce_scatter_int8: input has {input.numel()} elements, expected {p} x {width}"
         )
+    if p == 1:  # one rank: its own values are the sum, exact
+        return reduce_scatter(output, input, average=average, tag=tag, group=group)
     n = width - exact_tail
     rows = input.detach().view(p, width)
     send = pack(rows[:, :n], block, rows[:, n:] if exact_tail else None, error)  # (P, row_bytes)
@@ -212,6 +216,8 @@ def all_reduce_int8(
     be waited for in the order they were launched, the same on every rank. `error`
     (P, chunk) fp32: error feedback on the first quantization, see `pack`."""
     p = world_size(group)
+    if p == 1:  # the sum (and mean) over one rank is the tensor itself
+        return all_reduce(tensor, tag=tag, group=group)
     n = tensor.numel() - exact_tail
     chunk = chunk_of(n, p)
     flat = tensor.detach().view(-1)
