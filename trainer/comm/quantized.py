@@ -55,14 +55,18 @@ def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., n) floats -> (..., nb * block) int8 and (..., nb) fp32 scales, per block."""
     n = x.shape[-1]
     nb = n_blocks(n, block)
-    padded = x.new_zeros((*x.shape[:-1], nb * block), dtype=torch.float32)
-    padded[..., :n] = x
-    blocks = padded.view(*x.shape[:-1], nb, block)
+    if n == nb * block and x.dtype == torch.float32 and x.is_contiguous():
+        blocks = x.view(*x.shape[:-1], nb, block)  # no padding: no copy
+    else:
+        padded = x.new_zeros((*x.shape[:-1], nb * block), dtype=torch.float32)
+        padded[..., :n] = x
+        blocks = padded.view(*x.shape[:-1], nb, block)
     scale = blocks.abs().amax(dim=-1) / QMAX  # (..., nb); inf or NaN with a non-finite value
     usable = torch.isfinite(scale) & (scale > 0)
     inv = torch.where(usable, 1.0 / torch.where(usable, scale, 1.0), 0.0)
-    q = (blocks * inv.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX)
-    q = torch.where(usable.unsqueeze(-1), q, 0.0)  # NaN * 0 stays NaN: zero it before the cast
+    q = blocks * inv.unsqueeze(-1)
+    # a non-finite value times 0 is NaN: zeroed before the cast, its scale keeps it visible
+    q.round_().clamp_(-QMAX, QMAX).nan_to_num_(0.0)
     return q.to(torch.int8).view(*x.shape[:-1], nb * block), scale
 
 
