@@ -70,11 +70,25 @@ def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8).view(*x.shape[:-1], nb * block), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
-    """The inverse of `quantize`: (..., nb * block) int8, (..., nb) -> (..., numel) fp32."""
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, numel: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The inverse of `quantize`: (..., nb * block) int8, (..., nb) -> (..., numel) fp32,
+    or into `out` (..., numel) in its dtype. An fp32 `out` that the blocks fill exactly
+    is written in place, with no temporary."""
     nb = scale.shape[-1]
-    blocks = q.view(*q.shape[:-1], nb, -1).float() * scale.unsqueeze(-1)
-    return blocks.view(*q.shape[:-1], -1)[..., :numel]
+    shape = (*q.shape[:-1], nb, q.shape[-1] // nb)
+    if out is not None and out.dtype == torch.float32 and out.shape[-1] == q.shape[-1]:
+        blocks = out.view(shape)
+        blocks.copy_(q.view(shape))
+        blocks.mul_(scale.unsqueeze(-1))
+        return out
+    blocks = q.view(shape).float()
+    blocks.mul_(scale.unsqueeze(-1))
+    values = blocks.view(*q.shape[:-1], -1)[..., :numel]
+    if out is None:
+        return values
+    return out.copy_(values)
 
 
 def pack(
@@ -83,20 +97,36 @@ def pack(
     tail: torch.Tensor | None = None,
     error: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(R, n) floats (and an (R, t) exact tail) -> (R, row_bytes) uint8 rows. With
-    `error` (R, n) fp32, error feedback: it is added to `x` before quantizing and then
-    holds this quantization's error (zero where that is not finite, so an fp16 overflow
-    skips one step and does not poison the next ones)."""
-    if error is not None:
-        x = x.float() + error
-    q, scale = quantize(x, block)
-    if error is not None:
-        err = x - dequantize(q, scale, x.shape[-1])
-        error.copy_(torch.where(torch.isfinite(err), err, 0.0))
-    parts = [q.view(torch.uint8), scale.view(torch.uint8)]
-    if tail is not None:
-        parts.append(tail.float().contiguous().view(torch.uint8))
-    return torch.cat(parts, dim=-1)
+    """(R, n) floats (and an (R, t) exact tail) -> (R, row_bytes) uint8 rows, quantized
+    row by row (the fp32 temporaries are one row's). With `error` (R, n) fp32, error
+    feedback: it is added to `x` before quantizing and then holds this quantization's
+    error (zero where that is not finite, so an fp16 overflow skips one step and does not
+    poison the next ones)."""
+    rows, n = x.shape
+    t = 0 if tail is None else tail.shape[-1]
+    nb = n_blocks(n, block)
+    out = torch.empty(rows, row_bytes(n, block, t), dtype=torch.uint8, device=x.device)
+    for r in range(rows):
+        xr = x[r : r + 1] if error is None else x[r : r + 1].float() + error[r : r + 1]
+        q, scale = quantize(xr, block)
+        if error is not None:
+            err = xr - dequantize(q, scale, n)
+            error[r : r + 1].copy_(torch.where(torch.isfinite(err), err, 0.0))
+        out[r, : nb * block].copy_(q.view(torch.uint8)[0])
+        out[r, nb * block : nb * block + 4 * nb].copy_(scale.view(torch.uint8)[0])
+        if t:
+            out[r, nb * block + 4 * nb :].copy_(tail[r].float().contiguous().view(torch.uint8))
+    return out
+
+
+def _fields(row: torch.Tensor, n: int, block: int, tail: int):
+    """One packed row -> its int8 values, fp32 scales and fp32 exact tail (views where
+    aligned)."""
+    nb = n_blocks(n, block)
+    q = row[: nb * block].view(torch.int8)
+    scale = row[nb * block : nb * block + 4 * nb].contiguous().view(torch.float32)
+    exact = row[nb * block + 4 * nb :].contiguous().view(torch.float32)[:tail]
+    return q, scale, exact
 
 
 def unpack(
@@ -110,12 +140,17 @@ def unpack(
     return dequantize(q, scale, numel), exact[:, :tail]
 
 
-def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
-    """(P, n) -> (n,) fp32 sum, added in source-rank order: the same on every run."""
-    total = rows[0].clone()
-    for r in range(1, rows.shape[0]):
-        total.add_(rows[r])
-    return total
+def _sum_into(out: torch.Tensor, rows: torch.Tensor, n: int, block: int, tail: int) -> None:
+    """`out` (n + tail,) = the sum of the P packed `rows`, dequantized one at a time (one
+    (n,) fp32 temporary) and added in source-rank order: the same on every run."""
+    for r in range(rows.shape[0]):
+        q, scale, exact = _fields(rows[r], n, block, tail)
+        if r == 0:
+            dequantize(q, scale, n, out=out[:n])
+            out[n:].copy_(exact)
+        else:
+            out[:n].add_(dequantize(q, scale, n))
+            out[n:].add_(exact)
 
 
 class Then(Handle):
@@ -154,8 +189,10 @@ def all_gather_int8(
     handle = all_gather(rows.view(-1), mine, tag=tag, group=group)
 
     def dequantized() -> None:
-        values, _ = unpack(rows, s, block)  # (P, S) fp32
-        output.view(p, s).copy_(values)
+        out = output.view(p, s)
+        for r in range(p):  # row by row, into `output` (a temporary only if unaligned)
+            q, scale, _ = _fields(rows[r], s, block, 0)
+            dequantize(q, scale, s, out=out[r])
 
     return Then(handle, dequantized)
 
@@ -191,10 +228,7 @@ def reduce_scatter_int8(
     handle = all_to_all(received, send, tag=tag, group=group)
 
     def summed() -> None:
-        values, exact = unpack(received, n, block, exact_tail)
-        output[:n].copy_(_sum_rows(values))
-        if exact_tail:
-            output[n:].copy_(_sum_rows(exact))
+        _sum_into(output, received, n, block, exact_tail)
         if average and p > 1:
             output.div_(p)
 
@@ -233,14 +267,12 @@ def all_reduce_int8(
     handle = all_to_all(received, send, tag=tag, group=group)
 
     def gathered() -> None:
-        parts, exact = unpack(received, chunk, block, exact_tail)
-        mine = _sum_rows(parts)  # (chunk,) this rank's chunk, summed in source order
+        mine = values.new_empty(chunk + exact_tail)  # this rank's chunk, then the tail
+        _sum_into(mine, received, chunk, block, exact_tail)
         if average and p > 1:
             mine.div_(p)
-        all_gather_int8(values, mine, block=block, tag=tag, group=group).wait()
+        all_gather_int8(values, mine[:chunk], block=block, tag=tag, group=group).wait()
         flat[:n].copy_(values[:n])
-        if exact_tail:
-            total = _sum_rows(exact)
-            flat[n:].copy_(total.div_(p) if average and p > 1 else total)
+        flat[n:].copy_(mine[chunk:])
 
     return Then(handle, gathered)

@@ -200,7 +200,7 @@ class ZeroEngine(Engine):
         local_grads = [p.grad for p in model if p.grad is not None]
         return {
             "params": [b.full for b in self.buckets] + frozen,
-            # fp32 masters when mixed; otherwise views of `full`, counted there already
+            # fp32 copies when mixed or gathered as int8; else views of `full`, counted there
             "master": [b.master for b in self.buckets] + self.frozen.tensors(),
             "grads": grad_shards
             + inputs
