@@ -385,6 +385,11 @@ class MemoryMonitor:
                             self.grad_bytes, k)  # fmt: skip
             out = {key: v + (mine[key] if key != "working_set" else mine["model_state"])
                    for key, v in out.items()}  # fmt: skip
+        mp = getattr(self.engine, "precision", None)
+        if self.engine.name == "zero" and mp is not None and mp.gather_int8 and not mp.mixed:
+            apart = 4 * self.numel / s  # its fp32 master apart from `full` (docs/quantized.md)
+            for key in ("master", "model_state", "working_set"):
+                out[key] += apart
         return out
 
     def _split(self) -> tuple[int, int, int]:
