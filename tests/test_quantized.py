@@ -119,6 +119,13 @@ def _collectives(env, block: int) -> dict:
             t = time.perf_counter()
             call().wait()
             took[name] = (time.perf_counter() - t, sum(comm.stats.bytes_sent.values()))
+        # two in flight together share the one link: the second ends after both
+        comm.stats.reset()
+        t = time.perf_counter()
+        first, second = comm.all_gather(full, shard), comm.all_gather(full.clone(), shard)
+        first.wait()
+        second.wait()
+        took["two"] = (time.perf_counter() - t, sum(comm.stats.bytes_sent.values()))
     finally:
         comm.simulated_link(None)
     out["link"] = took
@@ -228,3 +235,5 @@ def test_simulated_link_holds_each_collective_for_its_bytes(runs):
         # fp32 vs packed int8: the link time follows the bytes actually handed over
         assert r["link"]["all_gather_int8"][1] < 0.3 * r["link"]["all_gather"][1]
         assert r["link"]["barrier"][1] == 0
+        seconds, sent = r["link"]["two"]
+        assert seconds >= sent * 8 / 0.05e9 + 2 * 0.002, (seconds, sent)

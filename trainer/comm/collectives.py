@@ -294,11 +294,13 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 def launch(op: str, tag: str, sent: float, account: bool = True, group=None) -> None:
     """Count, trace and (under `delayed()`) hold back the launch of `op` sending `sent`
     bytes: what every collective does first, the ones in all_to_all.py included."""
-    global _link_due_s
+    global _link_due_s, _link_free_at
     if _delay_s:
         time.sleep(_delay_s)
     if _link is not None and sent > 0:  # [Note: a simulated link]: the Handle made next
-        _link_due_s = sent * 8 / (_link[0] * 1e9) + _link[1]
+        now = time.perf_counter()
+        _link_free_at = max(now, _link_free_at) + sent * 8 / (_link[0] * 1e9) + _link[1]
+        _link_due_s = _link_free_at - now
     if account and _accounting:
         stats.bytes_sent[op] += sent
         stats.calls[op] += 1
@@ -514,24 +516,28 @@ def _check_split(shard: torch.Tensor, full: torch.Tensor, p: int, op: str) -> No
 # into the trace.
 
 # [Note: a simulated link]
-# `simulated_link(gbps, latency_s)` makes every collective that sends bytes take at least
-# sent * 8 / (gbps * 1e9) + latency_s, counted from its launch to its wait, on the bytes
+# `simulated_link(gbps, latency_s)` gives each rank one link (its NIC) that every
+# collective sending bytes occupies for sent * 8 / (gbps * 1e9) + latency_s, on the bytes
 # this rank hands to it (what `stats` counts: an int8 collective's packed bytes, scales
-# included). `launch` computes the time and the Handle made right after it takes it;
-# `wait` sleeps for whatever of it the real collective did not already take. Time the
-# caller spends computing before it waits overlaps the link, as it would with a real
-# one: a collective in flight during backward costs only what is still left at its wait.
+# included). Collectives in flight together share it in launch order: one finishes at
+# the latest of its launch and the previous one's finish, plus its own time. `launch`
+# computes that finish and the Handle made right after it takes it; `wait` sleeps until
+# then if the real collective ended earlier. Time the caller spends computing before it
+# waits overlaps the link, as it would with a real one: a collective in flight during
+# backward costs only what is still left at its wait.
 # Gloo on loopback moves bytes at memory speed (GB/s), so without this a CPU run cannot
 # show what fewer bytes buy on a network. CPU (Gloo) only: on CUDA the delay would have
 # to run on the comm stream; the run refuses `comm.link_gbps` there (run/loop.py).
 _link: tuple[float, float] | None = None  # (Gb/s, latency s)
 _link_due_s = 0.0  # the link time of the collective being launched, for its Handle
+_link_free_at = 0.0  # perf_counter() time at which the link has sent all launched bytes
 
 
 def simulated_link(gbps: float | None, latency_s: float = 0.0) -> None:
     """Every collective from now on takes at least bytes / `gbps` + `latency_s` (None:
     no simulated link). [Note: a simulated link]"""
-    global _link
+    global _link, _link_free_at
+    _link_free_at = 0.0
     if gbps is not None and not gbps > 0:
         raise ValueError(f"simulated link: {gbps} Gb/s must be > 0")
     _link = None if gbps is None else (float(gbps), float(latency_s))
