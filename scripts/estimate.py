@@ -105,6 +105,8 @@ def _header(args: argparse.Namespace, cluster: Cluster, cfgs: dict, result: dict
             f"{fig['grad_accum_steps']} accumulation steps)"
         )
     dtypes = f"precision {cfg.precision}, reduce {cfg.mode.get('reduce_dtype', 'fp32')}"
+    if cfg.mode.get("gather_dtype"):  # int8 AllGathers (docs/quantized.md)
+        dtypes += f", gather {cfg.mode.gather_dtype}"
     nodes = -(-args.world_size // args.ranks_per_node)
     peak = peak_flops(cluster, Precision.of(cfg.precision)) / 1e12
     return [

@@ -55,6 +55,8 @@ CASES["mlp_hybrid"] = [*CASES["mlp"], "mode.shard_group_size=2"]
 # and keeps them gathered across both loops' backwards
 CASES["mlp_looped"] = ["model=mlp", "model.hidden=256", "model.depth=4", "model.loops=2",
                        "train.batch_size=8"]  # fmt: skip
+# int8 on the wire both ways (ddp: its AllReduce): all-to-alls and AllGathers of packed rows
+CASES["mlp_int8"] = [*CASES["mlp"], "mode.reduce_dtype=int8", "mode.gather_dtype=int8"]
 # expert parallelism, E = 2: each rank holds 2 of the 4 experts of each layer, cut over
 # the P/E ranks of its expert-data-parallel group in zero and fsdp. The estimate has no
 # activations for an MoE (routing decides its shapes), so none are measured.
@@ -69,7 +71,7 @@ CASES["gpt_moe_ep2"] = [
 ]
 RUNS = {
     1: ["mlp"],
-    2: ["gpt_ckpt", "gpt_bf16_accum", "gpt_moe_ep2", "mlp_looped"],
+    2: ["gpt_ckpt", "gpt_bf16_accum", "gpt_moe_ep2", "mlp_looped", "mlp_int8"],
     4: ["mlp_hybrid", "gpt_moe_ep2"],
 }
 DEVICE = 80e9
@@ -262,7 +264,7 @@ def test_model_state_is_byte_exact_on_every_rank(runs):
     p, cases = runs
     for case, mode, cfg, est, measured in cases:
         plan = mode_plan(cfg, build_meta(cfg), shard_size(mode, cfg, p, None))
-        precision = Precision.of(cfg.precision, cfg.mode.reduce_dtype)
+        precision = Precision.of(cfg.precision, cfg.mode.reduce_dtype, cfg.mode.get("gather_dtype"))
         opt = layout.optimizer_state(optimizer_factory(cfg.optim))
         for r, got in enumerate(measured):
             want = layout.model_state(plan, precision, opt, r)
@@ -279,7 +281,12 @@ def test_traffic_is_byte_exact(runs):
             for op, t in est["traffic_bytes_per_step"].items()
         }
         # the AllToAlls of token dispatch depend on the routing: not in the ring model
-        got = {op: b for op, b in measured[0]["traffic"].items() if b and op != "all_to_all"}
+        routed = "moe" in case
+        got = {
+            op: b
+            for op, b in measured[0]["traffic"].items()
+            if b and not (routed and op == "all_to_all")
+        }
         assert {op: b for op, b in want.items() if b} == got, (case, mode)
         assert all(t["across_nodes"] == 0 for t in est["traffic_bytes_per_step"].values())
         # with shard groups, zero's and fsdp's only AllReduce goes across them

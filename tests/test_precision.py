@@ -590,7 +590,8 @@ def test_precision_casts_floating_inputs_only():
     "kwargs, needle",
     [
         ({"precision": "fp8"}, "precision='fp8' is not one of fp32, bf16, fp16"),
-        ({"reduce_dtype": "int8"}, "mode.reduce_dtype='int8' is not one of"),
+        ({"reduce_dtype": "int4"}, "mode.reduce_dtype='int4' is not one of"),
+        ({"gather_dtype": "int8"}, "mode.gather_dtype=int8 applies to zero and fsdp"),
         ({"precision": "fp16", "loss_scale": {"init_scale": 0}}, "loss_scale.init_scale=0"),
     ],
 )

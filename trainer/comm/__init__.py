@@ -10,6 +10,8 @@
   expert-parallel and expert-data-parallel groups ([Note: expert parallel groups]).
 - all_to_all.py: scatter and the all-to-alls; expert parallelism's token dispatch uses
   the uneven `all_to_all` (re-exported here).
+- quantized.py: AllGather, ReduceScatter and AllReduce that send int8 blocks with fp32
+  scales ([Note: int8 blocks]), on top of the collectives above.
 
 This package re-exports collectives.py's public names, so `comm.all_gather` is the
 function the engines call.
@@ -38,20 +40,24 @@ from trainer.comm.collectives import (
     record,
     reduce,
     reduce_scatter,
+    simulated_link,
     stats,
     tracing,
     unaccounted,
     wait_all,
     world_size,
 )
+from trainer.comm.quantized import all_gather_int8, all_reduce_int8, reduce_scatter_int8
 
 __all__ = [
     "AveragePlan",
     "CommStats",
     "Handle",
     "all_gather",
+    "all_gather_int8",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_int8",
     "all_to_all",
     "average_plan",
     "barrier",
@@ -68,6 +74,8 @@ __all__ = [
     "record",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_int8",
+    "simulated_link",
     "stats",
     "tracing",
     "unaccounted",

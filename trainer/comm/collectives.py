@@ -96,7 +96,7 @@ class Handle:
     """An in-flight collective. `wait()` blocks (CPU) or orders the compute stream after
     it (CUDA); the op's finishing step has run by then. [Note: communication streams]"""
 
-    __slots__ = ("_work", "_post", "_t0", "_keep", "_end", "_account", "done")
+    __slots__ = ("_work", "_post", "_t0", "_keep", "_end", "_account", "_link_s", "done")
 
     def __init__(
         self,
@@ -107,7 +107,9 @@ class Handle:
         start: torch.cuda.Event | None = None,
         group: dist.ProcessGroup | None = None,
     ):
+        global _link_due_s
         self._t0 = time.perf_counter()
+        self._link_s, _link_due_s = _link_due_s, 0.0  # [Note: a simulated link]
         self._keep = keep  # CUDA: tensors the comm stream uses, alive until wait()
         self._account = _accounting
         self._end = None
@@ -128,6 +130,9 @@ class Handle:
             if self._work is not None:
                 self._work.wait()
             end = time.perf_counter()
+            if end < self._t0 + self._link_s:  # [Note: a simulated link]
+                time.sleep(self._t0 + self._link_s - end)
+                end = time.perf_counter()
             if self._account:
                 stats.exposed_s += end - t
                 # Waits return in time order, so the part of [t0, end] not yet counted is
@@ -289,8 +294,13 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 def launch(op: str, tag: str, sent: float, account: bool = True, group=None) -> None:
     """Count, trace and (under `delayed()`) hold back the launch of `op` sending `sent`
     bytes: what every collective does first, the ones in all_to_all.py included."""
+    global _link_due_s, _link_free_at
     if _delay_s:
         time.sleep(_delay_s)
+    if _link is not None and sent > 0:  # [Note: a simulated link]: the Handle made next
+        now = time.perf_counter()
+        _link_free_at = max(now, _link_free_at) + sent * 8 / (_link[0] * 1e9) + _link[1]
+        _link_due_s = _link_free_at - now
     if account and _accounting:
         stats.bytes_sent[op] += sent
         stats.calls[op] += 1
@@ -512,6 +522,34 @@ def _check_split(shard: torch.Tensor, full: torch.Tensor, p: int, op: str) -> No
 # synchronisation, `p2p(flag)` forces sendrecv.py's send/recv collectives on or off.
 # `launch` and the collectives above read this state; `record` is the engines' own way
 # into the trace.
+
+# [Note: a simulated link]
+# `simulated_link(gbps, latency_s)` gives each rank one link (its NIC) that every
+# collective sending bytes occupies for sent * 8 / (gbps * 1e9) + latency_s, on the bytes
+# this rank hands to it (what `stats` counts: an int8 collective's packed bytes, scales
+# included). Collectives in flight together share it in launch order: one finishes at
+# the latest of its launch and the previous one's finish, plus its own time. `launch`
+# computes that finish and the Handle made right after it takes it; `wait` sleeps until
+# then if the real collective ended earlier. Time the caller spends computing before it
+# waits overlaps the link, as it would with a real one: a collective in flight during
+# backward costs only what is still left at its wait.
+# Gloo on loopback moves bytes at memory speed (GB/s), so without this a CPU run cannot
+# show what fewer bytes buy on a network. CPU (Gloo) only: on CUDA the delay would have
+# to run on the comm stream; the run refuses `comm.link_gbps` there (run/loop.py).
+_link: tuple[float, float] | None = None  # (Gb/s, latency s)
+_link_due_s = 0.0  # the link time of the collective being launched, for its Handle
+_link_free_at = 0.0  # perf_counter() time at which the link has sent all launched bytes
+
+
+def simulated_link(gbps: float | None, latency_s: float = 0.0) -> None:
+    """Every collective from now on takes at least bytes / `gbps` + `latency_s` (None:
+    no simulated link). [Note: a simulated link]"""
+    global _link, _link_free_at
+    _link_free_at = 0.0
+    if gbps is not None and not gbps > 0:
+        raise ValueError(f"simulated link: {gbps} Gb/s must be > 0")
+    _link = None if gbps is None else (float(gbps), float(latency_s))
+
 
 _trace: list[tuple[str, str]] | None = None
 _members: list[tuple[str, tuple[int, ...]]] | None = None

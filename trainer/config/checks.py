@@ -81,6 +81,16 @@ def validate(cfg: DictConfig, world_size: int) -> None:
     if cfg.train.get("eval_batches") is not None:
         _whole("train.eval_batches", cfg.train.eval_batches, minimum=1)
     _validate_optim(cfg.optim)
+    link = cfg.get("comm") or {}
+    if link.get("link_gbps") is not None:
+        _positive("comm.link_gbps", link.link_gbps)
+    latency = link.get("latency_us", 0.0)
+    if (
+        not isinstance(latency, int | float)
+        or isinstance(latency, bool)
+        or not 0 <= latency < math.inf
+    ):
+        raise ConfigError(f"comm.latency_us={_show(latency)} must be a number >= 0")
     _validate_precision(cfg)
     _validate_ranges(cfg)
 
@@ -109,7 +119,14 @@ def _validate_precision(cfg: DictConfig) -> None:
     from trainer.parallel.scaling import LossScaler
 
     precision = cfg.get("precision", "fp32")
-    Precision.of(precision, cfg.mode.get("reduce_dtype", "fp32"))
+    mode = cfg.mode
+    Precision.of(
+        precision,
+        mode.get("reduce_dtype", "fp32"),
+        mode.get("gather_dtype"),
+        mode.get("quant_block", 256),
+        mode.get("error_feedback", False),
+    )
     if cfg.model.get("bias_update_speed") and precision != "fp32":
         # [Note: aux-loss-free load balancing] in models/builtin.py: an fp32 buffer
         raise ConfigError(

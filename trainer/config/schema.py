@@ -62,6 +62,12 @@ Ckpt = dataclass(init=False, repr=False, eq=False)(_Ckpt)
 
 
 @dataclass
+class Comm:
+    link_gbps: float | None = None  # a simulated link (trainer/comm/collectives.py)
+    latency_us: float = 0.0
+
+
+@dataclass
 class Launcher:
     nproc: int = 1
     max_restarts: int = 0
@@ -83,6 +89,7 @@ class Config:
     resume: str | None = None
     run: Any = None
     launcher: Launcher = field(default_factory=Launcher)
+    comm: Comm = field(default_factory=Comm)
 
 
 # mode/: the options of each engine (trainer/parallel/), as conf/mode/*.yaml sets them.
@@ -93,6 +100,8 @@ class DdpMode:
     name: str = "ddp"
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
+    quant_block: int = 256
+    error_feedback: bool = False
     expert_parallel: int = 1
 
 
@@ -101,6 +110,9 @@ class ZeroMode:
     name: str = "zero"
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
+    gather_dtype: str | None = None
+    quant_block: int = 256
+    error_feedback: bool = False
     shard_group_size: int | None = None
     expert_parallel: int = 1
 
@@ -114,6 +126,9 @@ class FsdpMode:
     repeated_children: bool = True
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
+    gather_dtype: str | None = None
+    quant_block: int = 256
+    error_feedback: bool = False
     shard_group_size: int | None = None
     expert_parallel: int = 1
 

@@ -237,6 +237,8 @@ def model_state(
         s = lay.shard_size(p.shard_of(f))
         for kind in ("params", "master", "grads"):
             out[kind] += int((s if kind in sharded else lay.padded_numel) * per[kind])
+        if p.mode == "zero" and precision.gather_int8 and not precision.mixed:
+            out["master"] += s * 4  # a copy of its own: int8 AllGathers write `full`
         # The flags: in ddp's last bucket, in the reduce dtype. In zero and fsdp the
         # reduced output keeps them after the shard's gradient elements; that gradient is
         # a view of it when it is fp32 already, else an fp32 copy without them.

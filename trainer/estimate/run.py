@@ -66,7 +66,13 @@ def estimate(
         built = _built_bytes(model)
     out = {}
     for mode, cfg in cfgs.items():
-        precision = Precision.of(cfg.precision, cfg.mode.get("reduce_dtype", "fp32"))
+        options = cfg.mode
+        precision = Precision.of(
+            cfg.precision,
+            options.get("reduce_dtype", "fp32"),
+            options.get("gather_dtype"),
+            options.get("quant_block", 256),
+        )
         s = shard_size(mode, cfg, world, shard_group_size)
         e = cfg.mode.get("expert_parallel", 1)
         if e != 1 and mode != "ddp" and s != world:  # as the engines refuse it (experts.plan)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from trainer.comm import quantized
 from trainer.estimate.layout import Plan
 from trainer.observe.memory import bus_factor
 from trainer.parallel.precision import Precision
@@ -61,6 +62,11 @@ class Sent:
 # Left out, as comm.stats leaves them out of a step: the small AllReduces of control values
 # (fp16's found-inf, the clipping norm, unused-parameter checks) and the reductions of
 # metrics at logging steps.
+# int8 on the wire ([Note: int8 on the wire] in parallel/precision.py): a ReduceScatter is
+# an all-to-all of G packed rows (quantized.row_bytes: int8 values, fp32 scales, exact
+# flags), of which a rank sends G-1; an AllReduce (ddp, across replicas) is that on
+# chunks of ceil(n/G) values plus an int8 AllGather of one packed chunk; an int8
+# AllGather sends this rank's packed slice to each of the G-1 others.
 # With hybrid sharding ([Note: hybrid sharding] in comm/groups.py) AllGathers and
 # ReduceScatters run over the S ranks of a shard group and each rank's reduced slice (its
 # flags too) is then AllReduced across the R = P/S replicas: 2(R-1)/R x Ψr/S, what
@@ -78,6 +84,7 @@ def collectives(
 ) -> list[Sent]:
     """Every collective rank 0 issues in one step ([Note: traffic per rank])."""
     b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    block = precision.quant_block
     edp = list(range(0, world, p.expert_parallel))  # rank 0's expert-data-parallel group
     out: list[Sent] = []
     if buffer_bytes and world > 1:
@@ -86,8 +93,11 @@ def collectives(
     if p.mode == "ddp":
         everyone = list(range(world))
         for f in p.flat_buffers:
-            n = (f.layout.numel + f.n_flags) * r
             group = edp if f.expert else everyone
+            if precision.reduce_int8:
+                out += _all_reduce_int8(f.layout.numel, f.n_flags, group, block)
+                continue
+            n = (f.layout.numel + f.n_flags) * r
             ar = bus_factor("all_reduce", len(group)) * n
             out.append(Sent("all_reduce", ar, group, LAST_BACKWARD))
         return out
@@ -97,15 +107,20 @@ def collectives(
         replicas = [0] if f.expert else list(range(0, world, s))  # holding rank 0's shard
         size = f.layout.shard_size(s)
         rows = s * (size + f.n_flags) * r  # the ReduceScatter's input, flags included
-        out.append(
-            Sent(
-                "reduce_scatter", bus_factor("reduce_scatter", s) * rows, shard_group, LAST_BACKWARD
-            )
-        )
-        if len(replicas) > 1:  # the reduced slice, flags included
+        if precision.reduce_int8:  # one packed row per destination, the flags exact
+            sent = (s - 1) * quantized.row_bytes(size, block, f.n_flags)
+            out.append(Sent("all_to_all", sent, shard_group, LAST_BACKWARD))
+        else:
+            rs = bus_factor("reduce_scatter", s) * rows
+            out.append(Sent("reduce_scatter", rs, shard_group, LAST_BACKWARD))
+        if len(replicas) > 1 and precision.reduce_int8:
+            out += _all_reduce_int8(size, f.n_flags, replicas, block)
+        elif len(replicas) > 1:  # the reduced slice, flags included
             ar = bus_factor("all_reduce", len(replicas)) * (size + f.n_flags) * r
             out.append(Sent("all_reduce", ar, replicas, LAST_BACKWARD))
         gather = bus_factor("all_gather", s) * f.layout.padded_numel * b
+        if precision.gather_int8:  # this rank's packed slice to each of the others
+            gather = (s - 1) * quantized.row_bytes(size, block)
         if p.mode == "zero":
             out.append(Sent("all_gather", gather, shard_group, EXPOSED))
             continue
@@ -116,6 +131,21 @@ def collectives(
             if twice:
                 out.append(Sent("all_gather", gather, shard_group, BACKWARD))
     return out
+
+
+def _all_reduce_int8(numel: int, flags: int, group: list[int], block: int) -> list[Sent]:
+    """comm.all_reduce_int8 of `numel` values and `flags` exact ones over `group`: an
+    all-to-all of one packed chunk per rank, then an int8 AllGather of the owner's sum."""
+    g = len(group)
+    if g == 1:
+        return []
+    chunk = quantized.chunk_of(numel, g)
+    return [
+        Sent(
+            "all_to_all", (g - 1) * quantized.row_bytes(chunk, block, flags), group, LAST_BACKWARD
+        ),
+        Sent("all_gather", (g - 1) * quantized.row_bytes(chunk, block), group, LAST_BACKWARD),
+    ]
 
 
 def _across(c: Sent, ranks_per_node: int) -> float:

@@ -172,8 +172,10 @@ def bytes_per_element(
 #
 # Traffic per rank per step, ring algorithms: ddp 2(P-1)/P·Ψr (AllReduce), zero
 # (P-1)/P·Ψr + (P-1)/P·Ψb (ReduceScatter, AllGather), fsdp (P-1)/P·(Ψr + 2Ψb) (AllGather
-# twice, ReduceScatter). The formulas use Ψ unpadded; zero and fsdp pad flat buffers to a
-# multiple of P, so their measured figures can be a few elements above.
+# twice, ReduceScatter); int8 on the wire counts 1 + 4/block bytes per element (its
+# scales), the blocks' padding and the exact used-flags left out. The formulas use Ψ
+# unpadded; zero and fsdp pad flat buffers to a multiple of P, so their measured figures
+# can be a few elements above.
 #
 # Expert parallelism ([Note: expert parameters in every mode] in parallel/experts.py):
 # the Ψe expert parameters are handled as a model of Ψe/E parameters over the P/E ranks of
@@ -331,6 +333,12 @@ class MemoryMonitor:
         self.param_bytes = params[0].element_size() if params else 4
         precision = getattr(engine, "precision", None)
         self.grad_bytes = _itemsize(precision.reduce_dtype) if precision else self.param_bytes
+        # what an element costs on the wire: int8 blocks and their scales where quantized
+        self.wire = (
+            (precision.wire_bytes("params"), precision.wire_bytes("grads"))
+            if precision
+            else (self.param_bytes, self.grad_bytes)
+        )
         self.device = params[0].device if params else torch.device("cpu")
         self._high: dict[str, int] | None = None  # per-kind maximum since the last gather
         optimizer = getattr(engine, "optimizer", None)
@@ -377,6 +385,11 @@ class MemoryMonitor:
                             self.grad_bytes, k)  # fmt: skip
             out = {key: v + (mine[key] if key != "working_set" else mine["model_state"])
                    for key, v in out.items()}  # fmt: skip
+        mp = getattr(self.engine, "precision", None)
+        if self.engine.name == "zero" and mp is not None and mp.gather_int8 and not mp.mixed:
+            apart = 4 * self.numel / s  # its fp32 master apart from `full` (docs/quantized.md)
+            for key in ("master", "model_state", "working_set"):
+                out[key] += apart
         return out
 
     def _split(self) -> tuple[int, int, int]:
@@ -391,7 +404,7 @@ class MemoryMonitor:
     def expected_traffic(self) -> float | None:
         p, s = self.engine.world_size, self.engine.mesh.shard_size
         dense, experts, e = self._split()
-        mode, b, r = self.engine.name, self.param_bytes, self.grad_bytes
+        (mode, (b, r)) = self.engine.name, self.wire
         traffic = expected_traffic(mode, dense, b, p, r, s)
         if traffic is not None:
             traffic += self.engine.traffic_beyond_formula()
@@ -402,7 +415,7 @@ class MemoryMonitor:
 
     def expected_traffic_across(self) -> float:
         p, s = self.engine.world_size, self.engine.mesh.shard_size
-        return expected_traffic_across(self.engine.name, self.numel, self.grad_bytes, p, s)
+        return expected_traffic_across(self.engine.name, self.numel, self.wire[1], p, s)
 
     def peak(self) -> int | None:
         """This rank's peak bytes in the step sampled since the last call: the CUDA

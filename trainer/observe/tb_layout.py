@@ -71,7 +71,9 @@ def _charts() -> dict[str, list[Chart]]:
             ("bytes sent per rank per step (ring formula)", [r"^comm/expected_bytes_per_step$"]),
             (
                 "bytes sent per step, by collective",
-                [r"^comm/bytes_per_step/(all_reduce|reduce_scatter|all_gather|broadcast)$"],
+                [
+                    r"^comm/bytes_per_step/(all_reduce|reduce_scatter|all_gather|all_to_all|broadcast)$"
+                ],
             ),
             ("time in communication per step, s", [r"^comm/time_per_step_s$"]),
             ("communication the step waited for, s", [r"^comm/exposed_per_step_s$"]),

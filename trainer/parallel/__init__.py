@@ -35,6 +35,9 @@ def build_engine(
     optimizer: OptimizerFactory,
     precision: str = "fp32",
     reduce_dtype: str = "fp32",
+    gather_dtype: str | None = None,
+    quant_block: int = 256,
+    error_feedback: bool = False,
     loss_scale: dict[str, Any] | None = None,
     param_options: ParamGroupFn | None = None,
     source: Source | None = None,
@@ -44,7 +47,11 @@ def build_engine(
 ) -> Engine:
     """Wrap `model` (fp32) for `mode`; `optimizer` is called with the parameters it should
     step. `precision` (fp32 | bf16 | fp16) is the dtype forward and backward run in, with
-    fp32 masters for the optimizer; `reduce_dtype` the dtype gradients are reduced in;
+    fp32 masters for the optimizer; `reduce_dtype` the dtype gradients are reduced in
+    (or int8: blocks of `quant_block` values with an fp32 scale each, summed in fp32;
+    `error_feedback` adds a rank's quantization error to its next gradient);
+    `gather_dtype` (zero, fsdp) None for AllGathers in the parameters' dtype, or int8
+    ([Note: int8 on the wire] in precision.py);
     `loss_scale` the options of fp16's dynamic loss scaling (trainer/parallel/scaling.py); in
     fp16 Adam, AdamW and SGD partials build torch's fused variant where it exists, which
     skips an overflowed step on the device ([Note: dynamic loss scaling]).
@@ -59,7 +66,12 @@ def build_engine(
     for a fresh init, `Pretrained(dir)` for safetensors weights ([Note: building on
     meta]); `device` is where its state goes (default: its buffers' device, else CPU)."""
     ep = experts.plan(model, expert_parallel, options.get("shard_group_size"))
-    mp = Precision.of(precision, reduce_dtype)
+    mp = Precision.of(precision, reduce_dtype, gather_dtype, quant_block, error_feedback)
+    if gather_dtype is not None and mode == "ddp":
+        raise ConfigError(
+            f"mode.gather_dtype={gather_dtype} applies to zero and fsdp; ddp gathers no "
+            "parameters (mode.reduce_dtype=int8 quantizes its AllReduce both ways)"
+        )
     fp16 = mp.param_dtype == torch.float16
     scaler = LossScaler(enabled=fp16, **(loss_scale or {}))
     if mode not in ENGINES:

@@ -13,7 +13,10 @@ otherwise the hook adds each gradient into its slot, casting, and drops autograd
 (under no_sync too, so micro-batches accumulate in the reduce dtype). After the
 AllReduce the fp32 master of every parameter gets its slice of the bucket (or of an fp32
 copy of it) as `.grad`; the optimizer steps the masters and the module's parameters are
-cast from them.
+cast from them. With `reduce_dtype=int8` the fp32 buckets are AllReduced as int8 blocks
+both ways (comm/quantized.py `all_reduce_int8`: quantized, all-to-all, summed in fp32 by
+each chunk's owner, quantized once more and AllGathered), every rank keeping the same
+dequantized mean.
 
 Parameters no rank used get no gradient, as in torch DDP: the last bucket carries one
 used-flag per parameter ([Note: used flags] in used.py). The end of backward (waiting for
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from trainer import comm
+from trainer.comm.quantized import chunk_of
 from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, ShardGroup
 from trainer.parallel.experts import ExpertPlan
@@ -60,6 +64,7 @@ class _Bucket:
         self.views = self.layout.views(self.grad)
         self.handle: comm.Handle | None = None
         self.masters: list[nn.Parameter] = list(self.params)  # fp32 copies when mixed
+        self.error: torch.Tensor | None = None  # error feedback's last error (reduce int8)
 
 
 class DDPEngine(Engine):
@@ -143,7 +148,18 @@ class DDPEngine(Engine):
     def _launch(self, b: _Bucket) -> None:
         if b is self.buckets[-1]:  # launched last: every parameter's use is known by now
             self._used.fill(self._flags)
-        b.handle = comm.all_reduce(b.buffer, average=True, tag=f"bucket{b.index}", group=b.group)
+        mp, tag = self.precision, f"bucket{b.index}"
+        if mp.reduce_int8:  # [Note: int8 on the wire]: in, summed and out as int8 blocks
+            flags = b.buffer.numel() - b.layout.numel  # the used-flags travel exactly
+            if mp.error_feedback and b.error is None:
+                p = comm.world_size(b.group)
+                b.error = torch.zeros(p, chunk_of(b.layout.numel, p), device=b.buffer.device)
+            b.handle = comm.all_reduce_int8(
+                b.buffer, average=True, block=mp.quant_block, exact_tail=flags, error=b.error,
+                tag=tag, group=b.group,
+            )  # fmt: skip
+        else:
+            b.handle = comm.all_reduce(b.buffer, average=True, tag=tag, group=b.group)
 
     def _finish_backward(self) -> None:
         self._had_backward = True
@@ -223,7 +239,8 @@ class DDPEngine(Engine):
         state["master"] = (masters if self.precision.mixed else []) + self.frozen.tensors()
         # The buckets and, when separate, the masters' fp32 gradients.
         separate = [m.grad for m in masters if m.grad is not None]
-        state["grads"] = [b.buffer for b in self.buckets] + separate
+        errors = [b.error for b in self.buckets if b.error is not None]  # error feedback
+        state["grads"] = [b.buffer for b in self.buckets] + separate + errors
         return state
 
     def shard_groups(self) -> list[ShardGroup]:

@@ -86,9 +86,11 @@ class _UnitBuffer(ShardedBuffer):
         if self.is_full:
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        mine = self.master.detach().to(self.full.dtype)  # a cast copy in mixed precision
-        group = self.again_group if again else self.gather_group
-        self.gather = comm.all_gather(self.full, mine, tag=self.tag, group=group)
+        # a cast copy in mixed precision; int8 quantizes the master itself (sharded.py)
+        mine = (
+            self.master if self.precision.gather_int8 else self.master.detach().to(self.full.dtype)
+        )
+        self.gather = self.gather_full(mine, self.again_group if again else self.gather_group)
 
     def wait(self) -> None:
         """The AllGather done: the parameters point into `full` again."""

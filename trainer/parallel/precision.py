@@ -3,6 +3,7 @@
 
     precision = Precision.of("bf16", reduce_dtype="fp32")
     engine = build_engine(model, mode, optimizer, precision="bf16", reduce_dtype="fp32")
+    Precision.of("fp32", reduce_dtype="int8", gather_dtype="int8")   # int8 on the wire
 
 fp16's dynamic loss scaling is scaling.py.
 """
@@ -17,6 +18,7 @@ import torch
 from trainer.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUANTIZED = "int8"  # a wire format: blocks of int8 values with fp32 scales (comm/quantized.py)
 
 
 def dtype_of(name: str, key: str = "precision") -> torch.dtype:
@@ -37,16 +39,74 @@ def dtype_of(name: str, key: str = "precision") -> torch.dtype:
 # bits) and land in fp32 next to the masters. Inputs that are floating point are cast to
 # `param_dtype` on the way in and floating outputs back to fp32 on the way out, so the loss
 # is computed in fp32.
+#
+# [Note: int8 on the wire]
+# `reduce_dtype=int8` and `gather_dtype=int8` change what travels, not what is held or
+# summed: gradient buffers stay fp32 (`reduce_dtype` is then torch.float32 and
+# `reduce_int8` True) and are quantized block by block only inside the collective
+# (comm/quantized.py, [Note: int8 blocks]); an int8 AllGather quantizes the fp32 master
+# shard (never in place) and every rank, the owner included, computes with the
+# dequantized values in `param_dtype`. `wire_bytes` is what one element costs on the
+# wire, scales included: what the expected traffic and the estimate count.
+# `error_feedback` keeps, per gradient buffer and rank, the fp32 error of its last
+# quantization and adds it to the next gradient before quantizing (a non-finite error,
+# from an fp16 overflow, is dropped). Its memory: one fp32 copy of every gradient
+# buffer's full (unsharded) input per rank, 4Ψ bytes, in every mode: in fsdp that is
+# a full model's worth next to its 16Ψ/P. Not saved in checkpoints (it restarts at zero).
 
 
 @dataclass(frozen=True)
 class Precision:
     param_dtype: torch.dtype = torch.float32  # forward/backward, AllGathered parameters
-    reduce_dtype: torch.dtype = torch.float32  # gradient AllReduce / ReduceScatter
+    reduce_dtype: torch.dtype = torch.float32  # gradient buffers and their reduction
+    reduce_int8: bool = False  # gradients travel as int8 blocks ([Note: int8 on the wire])
+    gather_int8: bool = False  # AllGathered parameters travel as int8 blocks
+    quant_block: int = 256  # values per fp32 scale
+    error_feedback: bool = False  # a rank's quantization error joins its next gradient
 
     @classmethod
-    def of(cls, precision: str = "fp32", reduce_dtype: str = "fp32") -> Precision:
-        return cls(dtype_of(precision), dtype_of(reduce_dtype, "mode.reduce_dtype"))
+    def of(
+        cls,
+        precision: str = "fp32",
+        reduce_dtype: str = "fp32",
+        gather_dtype: str | None = None,
+        quant_block: int = 256,
+        error_feedback: bool = False,
+    ) -> Precision:
+        if gather_dtype not in (None, QUANTIZED):
+            raise ConfigError(
+                f"mode.gather_dtype={gather_dtype!r} is not one of null (the parameters' "
+                f"dtype), {QUANTIZED}"
+            )
+        if (
+            not isinstance(quant_block, int)
+            or isinstance(quant_block, bool)
+            or not (4 <= quant_block <= 2**20 and quant_block % 4 == 0)
+        ):
+            raise ConfigError(
+                f"mode.quant_block={quant_block!r} must be a multiple of 4 from 4 to {2**20}"
+            )
+        reduce_int8 = reduce_dtype == QUANTIZED
+        if not reduce_int8 and reduce_dtype not in DTYPES:
+            names = ", ".join([*DTYPES, QUANTIZED])
+            raise ConfigError(f"mode.reduce_dtype={reduce_dtype!r} is not one of {names}")
+        if error_feedback and not reduce_int8:
+            raise ConfigError(
+                f"mode.error_feedback=true feeds back int8 rounding errors: it needs "
+                f"mode.reduce_dtype=int8, not {reduce_dtype}"
+            )
+        reduce = torch.float32 if reduce_int8 else DTYPES[reduce_dtype]
+        gather_int8 = gather_dtype == QUANTIZED
+        return cls(
+            dtype_of(precision), reduce, reduce_int8, gather_int8, quant_block, error_feedback
+        )
+
+    def wire_bytes(self, kind: str) -> float:
+        """Bytes one element costs on the wire, scales included: "grads" (reduced) or
+        "params" (AllGathered)."""
+        if self.reduce_int8 if kind == "grads" else self.gather_int8:
+            return 1 + 4 / self.quant_block
+        return (self.reduce_dtype if kind == "grads" else self.param_dtype).itemsize
 
     @property
     def mixed(self) -> bool:

@@ -79,10 +79,14 @@ class ShardedBuffer:
             with torch.no_grad():
                 self.layout.copy_in(full, [p.detach() for p in self.params])
             mine = full[lo : lo + self.shard_numel]
-            self.master = mine if keep_full and not precision.mixed else mine.clone()  # (S,)
+            # int8 AllGathers write dequantized values into `full`: the master stays apart
+            separate = precision.mixed or precision.gather_int8
+            self.master = mine if keep_full and not separate else mine.clone()  # (S,)
             self.full = full.to(precision.param_dtype)  # no copy in fp32
         self.pieces = pieces.cut(self.names, flags, self.layout, self.master, self.shard_rank)
         self.reduce_dtype = precision.reduce_dtype
+        self.precision = precision  # int8 on the wire ([Note: int8 on the wire])
+        self.error: torch.Tensor | None = None  # (N, S) fp32: error feedback's last error
         self.n_flags = 0  # used-flag columns its ReduceScatter carries ([Note: used flags])
         self.grad_shard: torch.Tensor | None = None  # (S,) fp32, summed over synced backwards
         # In flight while it is reduced: the filled (N, S + n_flags) input, the output of
@@ -100,6 +104,18 @@ class ShardedBuffer:
     @property
     def device(self) -> torch.device:
         return self.master.device
+
+    def gather_full(self, shard: torch.Tensor, group: Any) -> comm.Handle:
+        """AllGather every rank's slice into `full`: `shard` (this rank's slice in the
+        compute dtype) as it is or, with gather_dtype=int8, this rank's fp32 master
+        quantized ([Note: int8 on the wire] in precision.py)."""
+        mp = self.precision
+        if mp.gather_int8:
+            master = self.master.detach()
+            return comm.all_gather_int8(
+                self.full, master, block=mp.quant_block, tag=self.tag, group=group
+            )
+        return comm.all_gather(self.full, shard, tag=self.tag, group=group)
 
     def slice_requests(self) -> list[Request]:
         """What this rank's slice holds of each parameter, as requests that write it into
@@ -163,9 +179,18 @@ class Reducer:
         if b.n_flags:
             self.used.fill(b.grad_input.control)
         b.reduced = torch.empty(b.shard_numel + b.n_flags, dtype=b.reduce_dtype, device=b.device)
-        b.handle = comm.reduce_scatter(
-            b.reduced, b.grad_input.input, average=True, tag=b.tag, group=b.mesh.shard
-        )
+        mp = b.precision
+        if mp.reduce_int8:  # [Note: int8 on the wire]; the used-flags travel exactly
+            if mp.error_feedback and b.error is None:
+                b.error = torch.zeros(b.n_shards, b.shard_numel, device=b.device)
+            b.handle = comm.reduce_scatter_int8(
+                b.reduced, b.grad_input.input, average=True, block=mp.quant_block,
+                exact_tail=b.n_flags, error=b.error, tag=b.tag, group=b.mesh.shard,
+            )  # fmt: skip
+        else:
+            b.handle = comm.reduce_scatter(
+                b.reduced, b.grad_input.input, average=True, tag=b.tag, group=b.mesh.shard
+            )
         self.in_flight.append(b)
 
     def release_beyond(self, keep: int) -> None:
@@ -181,7 +206,12 @@ class Reducer:
         b.handle.wait()
         comm.free_storage(b.grad_input.rows)
         b.grad_input = b.handle = None
-        if b.mesh.replicate is not None:
+        if b.mesh.replicate is not None and b.precision.reduce_int8:  # across groups: int8
+            b.handle = comm.all_reduce_int8(
+                b.reduced, average=True, block=b.precision.quant_block, exact_tail=b.n_flags,
+                tag=b.tag, group=b.mesh.replicate,
+            )  # fmt: skip
+        elif b.mesh.replicate is not None:
             b.handle = comm.all_reduce(b.reduced, average=True, tag=b.tag, group=b.mesh.replicate)
         self.pending.append(b)
 

@@ -163,17 +163,15 @@ class ZeroEngine(Engine):
     def _cast_masters(self) -> None:
         """Mixed precision ([Note: master weights] in precision.py): each fp32 master
         slice rounded into this rank's slice of `full`. In fp32 they are one tensor."""
-        if self.precision.mixed:
+        if self.precision.mixed and not self.precision.gather_int8:  # int8: from the master
             for b in self.buckets:
                 b.param_shard.copy_(b.master)
 
     def _all_gather_params(self) -> None:
         # Launch all, then wait all: the AllGathers overlap each other. Each rank's input
-        # is its own slice of the output buffer, so the gather runs in place.
-        handles = [
-            comm.all_gather(b.full, b.param_shard, tag=b.tag, group=b.mesh.shard)
-            for b in self.buckets
-        ]
+        # is its own slice of the output buffer, so the gather runs in place (with
+        # gather_dtype=int8 it is the fp32 master, quantized: [Note: int8 on the wire]).
+        handles = [b.gather_full(b.param_shard, b.mesh.shard) for b in self.buckets]
         comm.wait_all(handles)
 
     def grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
@@ -202,9 +200,13 @@ class ZeroEngine(Engine):
         local_grads = [p.grad for p in model if p.grad is not None]
         return {
             "params": [b.full for b in self.buckets] + frozen,
-            # fp32 masters when mixed; otherwise views of `full`, counted there already
+            # fp32 copies when mixed or gathered as int8; else views of `full`, counted there
             "master": [b.master for b in self.buckets] + self.frozen.tensors(),
-            "grads": grad_shards + inputs + local_grads + self._local_grads.tensors(),
+            "grads": grad_shards
+            + inputs
+            + local_grads
+            + self._local_grads.tensors()
+            + [b.error for b in self.buckets if b.error is not None],  # error feedback
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
         }

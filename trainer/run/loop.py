@@ -19,7 +19,7 @@ from trainer.config.checks import engine_options, validate
 from trainer.data.datasets import make_eval_loader, make_loader
 from trainer.data.text import codec_from_meta
 from trainer.data.tokens import read_meta
-from trainer.errors import TrainingError
+from trainer.errors import ConfigError, TrainingError
 from trainer.models.build import data_dir, model_and_data
 from trainer.models.builtin import (
     accuracy,
@@ -206,6 +206,13 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         eval_loader = make_eval_loader(
             held_out, cfg.train.batch_size, env.rank, env.world_size, cfg.train.eval_batches
         )
+    link = cfg.get("comm") or {}
+    if link.get("link_gbps") is not None and env.device.type == "cuda":
+        raise ConfigError(
+            f"comm.link_gbps={link.link_gbps} simulates a slow link on CPU (Gloo) runs only; "
+            "on CUDA the network is real: unset comm.link_gbps"
+        )
+    comm.simulated_link(link.get("link_gbps"), link.get("latency_us", 0.0) / 1e6)
     optimizer = optimizer_factory(cfg.optim)
     engine = build_engine(
         model,

@@ -1,0 +1,240 @@
+"""comm/quantized.py: int8 blocks ([Note: int8 blocks]) and the collectives that send them,
+at P = 2, 3, 4, against references computed from the same quantized values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_distributed
+
+from trainer.comm.quantized import dequantize, n_blocks, pack, quantize, row_bytes, unpack
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _bound(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per element: scale/2 (rounding to the nearest int8 step) plus the fp32 rounding of
+    x/scale and of q*scale, each at most one ulp of a value <= the block's max |x|."""
+    _, scale = quantize(x, block)
+    per = scale.repeat_interleave(block)[: x.numel()]
+    return per / 2 + 2 * EPS32 * per * 127
+
+
+@pytest.mark.parametrize("numel, block", [(1000, 256), (256, 256), (7, 256), (513, 64)])
+def test_error_within_half_a_step(numel, block):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+    q, scale = quantize(x, block)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q.numel() == n_blocks(numel, block) * block and scale.numel() == n_blocks(numel, block)
+    back = dequantize(q, scale, numel)
+    assert (back - x).abs().le(_bound(x, block)).all()
+    # the block's largest value is exact up to fp32 rounding: q = +-127
+    assert q.abs().max() == 127
+
+
+def test_all_zero_block_is_zero_and_finite():
+    x = torch.zeros(600)
+    x[300:310] = torch.linspace(-1, 1, 10)  # block 1 not zero, blocks 0 and 2 all zero
+    q, scale = quantize(x, 256)
+    assert scale[0] == 0 and scale[2] == 0
+    back = dequantize(q, scale, 600)
+    assert torch.isfinite(back).all()
+    assert back[:256].eq(0).all() and back[512:].eq(0).all()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_value_makes_its_block_non_finite(bad):
+    x = torch.randn(600, generator=torch.Generator().manual_seed(1))
+    x[260] = bad
+    back = dequantize(*quantize(x, 256), 600)
+    assert not torch.isfinite(back[256:512]).any()  # the whole block: the check sees it
+    assert torch.isfinite(back[:256]).all() and torch.isfinite(back[512:]).all()
+    assert (back[:256] - x[:256]).abs().le(_bound(x[:256], 256)).all()
+
+
+def test_pack_round_trip_with_exact_tail():
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+    tail = torch.tensor([[0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    rows = pack(x, 256, tail)
+    assert rows.dtype == torch.uint8 and rows.shape == (3, row_bytes(300, 256, 2))
+    assert row_bytes(300, 256, 2) == 512 + 8 + 8
+    values, exact = unpack(rows, 300, 256, 2)
+    q, scale = quantize(x, 256)
+    assert torch.equal(values, dequantize(q, scale, 300))
+    assert torch.equal(exact, tail)
+
+
+def _collectives(env, block: int) -> dict:
+    """Each quantized collective on this rank's seeded data, with the bytes it handed over."""
+    from trainer import comm
+
+    r, p = comm.rank(), comm.world_size()
+    g = torch.Generator().manual_seed(100 + r)
+    out: dict = {}
+    # A shard of 301 values: not a multiple of the block
+    shard = torch.randn(301, generator=g)
+    shard_before = shard.clone()
+    full = torch.empty(301 * p)
+    comm.stats.reset()
+    comm.all_gather_int8(full, shard, block=block, tag="t").wait()
+    out["gather"] = (shard, full, dict(comm.stats.bytes_sent))
+    assert torch.equal(shard, shard_before)  # the shard itself is never quantized
+    # ReduceScatter input (P, 200 + 2): 200 gradients and 2 exact flag columns per row
+    grads = torch.randn(p, 202, generator=g)
+    grads[:, 200:] = torch.tensor([float(r % 2), 1.0])
+    if p > 2:
+        grads[1, :block] = 0  # an all-zero block on its way to rank 1
+    reduced = torch.empty(202)
+    comm.stats.reset()
+    comm.reduce_scatter_int8(
+        reduced, grads.clone().view(-1), average=True, block=block, exact_tail=2
+    ).wait()
+    out["reduce_scatter"] = (grads, reduced, dict(comm.stats.bytes_sent))
+    # AllReduce of 1001 values (not divisible by P) plus a 3-value exact tail
+    t = torch.randn(1004, generator=g)
+    t[1001:] = torch.tensor([1.0, float(r), 0.0])
+    before = t.clone()
+    comm.stats.reset()
+    comm.all_reduce_int8(t, average=True, block=block, exact_tail=3).wait()
+    out["all_reduce"] = (before, t, dict(comm.stats.bytes_sent))
+    # fp16 overflow: an inf on one rank reaches every rank as a non-finite gradient
+    h = torch.randn(p, 64, generator=g)
+    if r == p - 1:
+        h[0, 5] = float("inf")
+    res = torch.empty(64)
+    comm.reduce_scatter_int8(res, h.view(-1), average=True, block=block).wait()
+    out["inf"] = bool(torch.isfinite(res).all())
+    # a simulated link of 0.05 Gb/s and 2 ms: each collective lasts at least its bytes / link
+    import time
+
+    comm.simulated_link(0.05, 0.002)
+    full = torch.empty_like(full)  # the gather above is returned: keep it as it was
+    try:
+        took = {}
+        for name, call in (
+            ("all_gather", lambda: comm.all_gather(full, shard)),
+            ("all_gather_int8", lambda: comm.all_gather_int8(full, shard, block=block)),
+            ("barrier", lambda: comm.barrier()),  # sends nothing: no link time
+        ):
+            comm.stats.reset()
+            t = time.perf_counter()
+            call().wait()
+            took[name] = (time.perf_counter() - t, sum(comm.stats.bytes_sent.values()))
+        # two in flight together share the one link: the second ends after both
+        comm.stats.reset()
+        t = time.perf_counter()
+        first, second = comm.all_gather(full, shard), comm.all_gather(full.clone(), shard)
+        first.wait()
+        second.wait()
+        took["two"] = (time.perf_counter() - t, sum(comm.stats.bytes_sent.values()))
+    finally:
+        comm.simulated_link(None)
+    out["link"] = took
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def runs(request):
+    p = request.param
+    return p, run_distributed(_collectives, p, 64)
+
+
+def _deq(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """What a receiver reconstructs of `x`'s rows (R, n)."""
+    q, scale = quantize(x, block)
+    return dequantize(q, scale, x.shape[-1])
+
+
+def test_all_gather_int8_every_rank_the_same_dequantized_values(runs):
+    p, res = runs
+    shards = [r["gather"][0] for r in res]
+    expected = torch.cat([_deq(s.view(1, -1))[0] for s in shards])
+    for r in range(p):
+        assert torch.equal(res[r]["gather"][1], expected)  # the owner's piece included
+    exact = torch.cat(shards)
+    assert (expected - exact).abs().le(torch.cat([_bound(s, 64) for s in shards])).all()
+    # bytes handed to the collective: (P-1) x one packed row, scales included
+    assert res[0]["gather"][2] == {"all_gather": (p - 1) * row_bytes(301, 64)}
+    assert row_bytes(301, 64) == 320 + 4 * 5
+
+
+def test_reduce_scatter_int8_sums_in_fp32_in_source_order(runs):
+    p, res = runs
+    for owner in range(p):
+        parts = [
+            _deq(res[src]["reduce_scatter"][0][owner : owner + 1, :200])[0] for src in range(p)
+        ]
+        total = parts[0].clone()
+        for x in parts[1:]:
+            total.add_(x)
+        got = res[owner]["reduce_scatter"][1]
+        assert torch.equal(got[:200], total / p)
+        flags = torch.tensor([sum(float(s % 2) for s in range(p)), float(p)]) / p
+        assert torch.equal(got[200:], flags)  # the exact tail arrives exactly
+    sent = (p - 1) / p * p * row_bytes(200, 64, 2)
+    assert res[0]["reduce_scatter"][2] == {"all_to_all": sent}
+    # against fp32: the error of one quantization per value, averaged
+    exact = torch.stack([r["reduce_scatter"][0] for r in res]).mean(0)  # (P, 202)
+    for owner in range(p):
+        bound = sum(_bound(res[s]["reduce_scatter"][0][owner, :200], 64) for s in range(p)) / p
+        err = (res[owner]["reduce_scatter"][1][:200] - exact[owner, :200]).abs()
+        assert err.le(bound + 4 * p * EPS32 * exact[owner, :200].abs().max()).all()
+
+
+def test_reduce_scatter_int8_all_zero_block(runs):
+    p, res = runs
+    if p > 2:
+        got = res[1]["reduce_scatter"][1]
+        assert torch.isfinite(got).all()
+
+
+def test_all_reduce_int8_identical_everywhere_and_within_two_quantizations(runs):
+    p, res = runs
+    results = [r["all_reduce"][1] for r in res]
+    for t in results[1:]:
+        assert torch.equal(t, results[0])
+    inputs = torch.stack([r["all_reduce"][0] for r in res])
+    mean = inputs.mean(0)
+    assert torch.equal(results[0][1001:], torch.tensor([1.0, sum(range(p)) / p, 0.0]))
+    # reference from the same quantized values: chunks of ceil(1001 / P), summed in order
+    chunk = -(-1001 // p)
+    padded = torch.zeros(p, p * chunk)
+    padded[:, :1001] = inputs[:, :1001]
+    owned = []
+    for owner in range(p):
+        parts = [
+            _deq(padded[s, owner * chunk : (owner + 1) * chunk].view(1, -1))[0] for s in range(p)
+        ]
+        total = parts[0].clone()
+        for x in parts[1:]:
+            total.add_(x)
+        owned.append(_deq((total / p).view(1, -1))[0])
+    assert torch.equal(results[0][:1001], torch.cat(owned)[:1001])
+    # two quantizations: each input once (averaged), the sum once more
+    in_bound = sum(_bound(inputs[s, :1001], 64) for s in range(p)) / p
+    out_bound = _bound(mean[:1001], 64) * 2  # the sum's block maxima, widened by the first error
+    assert (results[0][:1001] - mean[:1001]).abs().le(in_bound + out_bound).all()
+    a2a = (p - 1) / p * p * row_bytes(chunk, 64, 3)
+    assert res[0]["all_reduce"][2] == {
+        "all_to_all": a2a,
+        "all_gather": (p - 1) * row_bytes(chunk, 64),
+    }
+
+
+def test_inf_on_one_rank_reaches_its_owner(runs):
+    p, res = runs
+    assert res[0]["inf"] is False  # rank p-1's inf went to rank 0's slice
+    assert all(r["inf"] for r in res[1:])
+
+
+def test_simulated_link_holds_each_collective_for_its_bytes(runs):
+    p, res = runs
+    for r in res:
+        for name in ("all_gather", "all_gather_int8"):
+            seconds, sent = r["link"][name]
+            assert sent > 0 and seconds >= sent * 8 / 0.05e9 + 0.002, (name, seconds, sent)
+        # fp32 vs packed int8: the link time follows the bytes actually handed over
+        assert r["link"]["all_gather_int8"][1] < 0.3 * r["link"]["all_gather"][1]
+        assert r["link"]["barrier"][1] == 0
+        seconds, sent = r["link"]["two"]
+        assert seconds >= sent * 8 / 0.05e9 + 2 * 0.002, (seconds, sent)

@@ -1,0 +1,278 @@
+"""Collectives that send int8 blocks instead of floats (ZeRO++'s qwZ and qgZ): a quarter of
+fp32's bytes, one fp32 scale per `block` values included ([Note: int8 blocks]).
+
+    comm.all_gather_int8(full, shard, block=256, group=g).wait()      # qwZ
+    comm.reduce_scatter_int8(out, flat, average=True, group=g).wait()  # qgZ
+    comm.all_reduce_int8(flat, average=True).wait()                    # qgZ + qwZ
+
+Each packs its values on the compute stream and hands the bytes to collectives.py's
+`all_gather` or all_to_all.py's `all_to_all` (byte counting of what is handed over,
+scales included; test hooks; Gloo fast path; comm stream); the returned Handle
+dequantizes (and sums) once that collective is waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from trainer.comm.all_to_all import all_to_all
+from trainer.comm.collectives import Handle, all_gather, all_reduce, reduce_scatter, world_size
+
+QMAX = 127  # int8 values in [-127, 127]: symmetric, so -x quantizes to -q(x)
+
+# [Note: int8 blocks]
+# A flat tensor is cut into blocks of `block` values (the last one zero-padded); each block
+# keeps scale = max|x| / 127 in fp32 and q = round(x / scale) in int8, so
+# |x - q * scale| <= scale / 2 for every value (plus fp32 rounding of the two products).
+# An all-zero block has scale 0 and q 0, with no division by it. A block holding an inf or
+# a NaN gets a non-finite scale and q 0, so every value of it dequantizes to NaN (0 * inf):
+# fp16's overflow check downstream still sees it and the step is skipped on every rank.
+# What travels is one uint8 row per destination: [q (n_blocks * block)] [scales (4 *
+# n_blocks bytes)] [exact tail (4 * tail bytes)]; the tail carries control values that
+# must arrive exactly (the used-flags, [Note: used flags] in parallel/used.py) in fp32.
+# Every receiver, the sender included, dequantizes the same bytes, so all ranks hold the
+# same values; what was quantized (a master shard, a gradient) is never modified.
+
+
+def chunk_of(numel: int, p: int) -> int:
+    """Values each rank owns in `all_reduce_int8` of `numel` values (the last zero-padded)."""
+    return -(-numel // p)
+
+
+def n_blocks(numel: int, block: int) -> int:
+    return max(1, -(-numel // block))
+
+
+def row_bytes(numel: int, block: int, tail: int = 0) -> int:
+    """Bytes of one packed row holding `numel` quantized values and `tail` exact fp32 ones."""
+    nb = n_blocks(numel, block)
+    return nb * block + 4 * nb + 4 * tail
+
+
+def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., n) floats -> (..., nb * block) int8 and (..., nb) fp32 scales, per block."""
+    n = x.shape[-1]
+    nb = n_blocks(n, block)
+    if n == nb * block and x.dtype == torch.float32 and x.is_contiguous():
+        blocks = x.view(*x.shape[:-1], nb, block)  # no padding: no copy
+    else:
+        padded = x.new_zeros((*x.shape[:-1], nb * block), dtype=torch.float32)
+        padded[..., :n] = x
+        blocks = padded.view(*x.shape[:-1], nb, block)
+    scale = blocks.abs().amax(dim=-1) / QMAX  # (..., nb); inf or NaN with a non-finite value
+    usable = torch.isfinite(scale) & (scale > 0)
+    inv = torch.where(usable, 1.0 / torch.where(usable, scale, 1.0), 0.0)
+    q = blocks * inv.unsqueeze(-1)
+    # a non-finite value times 0 is NaN: zeroed before the cast, its scale keeps it visible
+    q.round_().clamp_(-QMAX, QMAX).nan_to_num_(0.0)
+    return q.to(torch.int8).view(*x.shape[:-1], nb * block), scale
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, numel: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The inverse of `quantize`: (..., nb * block) int8, (..., nb) -> (..., numel) fp32,
+    or into `out` (..., numel) in its dtype. An fp32 `out` that the blocks fill exactly
+    is written in place, with no temporary."""
+    nb = scale.shape[-1]
+    shape = (*q.shape[:-1], nb, q.shape[-1] // nb)
+    if out is not None and out.dtype == torch.float32 and out.shape[-1] == q.shape[-1]:
+        blocks = out.view(shape)
+        blocks.copy_(q.view(shape))
+        blocks.mul_(scale.unsqueeze(-1))
+        return out
+    blocks = q.view(shape).float()
+    blocks.mul_(scale.unsqueeze(-1))
+    values = blocks.view(*q.shape[:-1], -1)[..., :numel]
+    if out is None:
+        return values
+    return out.copy_(values)
+
+
+def pack(
+    x: torch.Tensor,
+    block: int,
+    tail: torch.Tensor | None = None,
+    error: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(R, n) floats (and an (R, t) exact tail) -> (R, row_bytes) uint8 rows, quantized
+    row by row (the fp32 temporaries are one row's). With `error` (R, n) fp32, error
+    feedback: it is added to `x` before quantizing and then holds this quantization's
+    error (zero where that is not finite, so an fp16 overflow skips one step and does not
+    poison the next ones)."""
+    rows, n = x.shape
+    t = 0 if tail is None else tail.shape[-1]
+    nb = n_blocks(n, block)
+    out = torch.empty(rows, row_bytes(n, block, t), dtype=torch.uint8, device=x.device)
+    for r in range(rows):
+        xr = x[r : r + 1] if error is None else x[r : r + 1].float() + error[r : r + 1]
+        q, scale = quantize(xr, block)
+        if error is not None:
+            err = xr - dequantize(q, scale, n)
+            error[r : r + 1].copy_(torch.where(torch.isfinite(err), err, 0.0))
+        out[r, : nb * block].copy_(q.view(torch.uint8)[0])
+        out[r, nb * block : nb * block + 4 * nb].copy_(scale.view(torch.uint8)[0])
+        if t:
+            out[r, nb * block + 4 * nb :].copy_(tail[r].float().contiguous().view(torch.uint8))
+    return out
+
+
+def _fields(row: torch.Tensor, n: int, block: int, tail: int):
+    """One packed row -> its int8 values, fp32 scales and fp32 exact tail (views where
+    aligned)."""
+    nb = n_blocks(n, block)
+    q = row[: nb * block].view(torch.int8)
+    scale = row[nb * block : nb * block + 4 * nb].contiguous().view(torch.float32)
+    exact = row[nb * block + 4 * nb :].contiguous().view(torch.float32)[:tail]
+    return q, scale, exact
+
+
+def unpack(
+    rows: torch.Tensor, numel: int, block: int, tail: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, row_bytes) uint8 -> (R, numel) dequantized fp32 values and (R, tail) fp32."""
+    nb = n_blocks(numel, block)
+    q = rows[:, : nb * block].view(torch.int8)
+    scale = rows[:, nb * block : nb * block + 4 * nb].contiguous().view(torch.float32)
+    exact = rows[:, nb * block + 4 * nb :].contiguous().view(torch.float32)
+    return dequantize(q, scale, numel), exact[:, :tail]
+
+
+def _sum_into(out: torch.Tensor, rows: torch.Tensor, n: int, block: int, tail: int) -> None:
+    """`out` (n + tail,) = the sum of the P packed `rows`, dequantized one at a time (one
+    (n,) fp32 temporary) and added in source-rank order: the same on every run."""
+    for r in range(rows.shape[0]):
+        q, scale, exact = _fields(rows[r], n, block, tail)
+        if r == 0:
+            dequantize(q, scale, n, out=out[:n])
+            out[n:].copy_(exact)
+        else:
+            out[:n].add_(dequantize(q, scale, n))
+            out[n:].add_(exact)
+
+
+class Then(Handle):
+    """A collective's Handle and the step that turns its bytes into values: both done by
+    `wait()`, the step on the caller's (compute) stream, after the collective."""
+
+    __slots__ = ("_inner", "_then")
+
+    def __init__(self, inner: Handle, then: Callable[[], None]):
+        super().__init__(None)
+        self._inner, self._then = inner, then
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self._inner.wait()
+        self._then()
+        self._inner = self._then = None
+        self.done = True
+
+
+def all_gather_int8(
+    output: torch.Tensor, input: torch.Tensor, *, block: int = 256, tag: str = "", group=None
+) -> Handle:
+    """All ranks' `input` shards (S,) quantized once by their owner, gathered as int8 and
+    dequantized into `output` (P*S,) in its dtype on every rank, the owner's own shard
+    included ([Note: int8 blocks]). `input` is read at launch and left as it is."""
+    p = world_size(group)
+    s = input.numel()
+    if output.numel() != s * p:
+        raise ValueError(f"all_gather_int8: output has {output.numel()} elements, not {p} x {s}")
+    if p == 1:  # one rank: nothing travels, nothing to quantize
+        return all_gather(output, input.detach().to(output.dtype), tag=tag, group=group)
+    mine = pack(input.detach().reshape(1, s), block).view(-1)  # (row_bytes,)
+    rows = mine.new_empty(p, mine.numel())  # (P, row_bytes)
+    handle = all_gather(rows.view(-1), mine, tag=tag, group=group)
+
+    def dequantized() -> None:
+        out = output.view(p, s)
+        for r in range(p):  # row by row, into `output` (a temporary only if unaligned)
+            q, scale, _ = _fields(rows[r], s, block, 0)
+            dequantize(q, scale, s, out=out[r])
+
+    return Then(handle, dequantized)
+
+
+def reduce_scatter_int8(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    average: bool = False,
+    block: int = 256,
+    exact_tail: int = 0,
+    error: torch.Tensor | None = None,
+    tag: str = "",
+    group=None,
+) -> Handle:
+    """Rank r receives the sum (or mean) of every rank's r-th 1/P slice of flat `input`:
+    each slice quantized once by its sender, exchanged in one all-to-all and summed in
+    fp32 by its owner in source-rank order (one quantization per value, not one per ring
+    hop). The last `exact_tail` values of each slice travel exactly ([Note: int8 blocks]).
+    `error` (P, S - exact_tail) fp32: error feedback, see `pack`."""
+    p = world_size(group)
+    width = output.numel()
+    if input.numel() != width * p:
+        raise ValueError(
+            f"reduce_scatter_int8: input has {input.numel()} elements, expected {p} x {width}"
+        )
+    if p == 1:  # one rank: its own values are the sum, exact
+        return reduce_scatter(output, input, average=average, tag=tag, group=group)
+    n = width - exact_tail
+    rows = input.detach().view(p, width)
+    send = pack(rows[:, :n], block, rows[:, n:] if exact_tail else None, error)  # (P, row_bytes)
+    received = torch.empty_like(send)
+    handle = all_to_all(received, send, tag=tag, group=group)
+
+    def summed() -> None:
+        _sum_into(output, received, n, block, exact_tail)
+        if average and p > 1:
+            output.div_(p)
+
+    return Then(handle, summed)
+
+
+def all_reduce_int8(
+    tensor: torch.Tensor,
+    *,
+    average: bool = False,
+    block: int = 256,
+    exact_tail: int = 0,
+    error: torch.Tensor | None = None,
+    tag: str = "",
+    group=None,
+) -> Handle:
+    """Sum (or average) flat `tensor` over ranks in place, as a ring AllReduce is a
+    ReduceScatter and an AllGather: each rank's 1/P chunk is quantized, exchanged in one
+    all-to-all and summed in fp32 by its owner, which quantizes the sum once and
+    all-gathers it as int8; every rank, the owner included, keeps the dequantized result.
+    The last `exact_tail` values go exactly to every rank in the same all-to-all and are
+    summed there. The AllGather is launched when the handle is waited for: handles must
+    be waited for in the order they were launched, the same on every rank. `error`
+    (P, chunk) fp32: error feedback on the first quantization, see `pack`."""
+    p = world_size(group)
+    if p == 1:  # the sum (and mean) over one rank is the tensor itself
+        return all_reduce(tensor, tag=tag, group=group)
+    n = tensor.numel() - exact_tail
+    chunk = chunk_of(n, p)
+    flat = tensor.detach().view(-1)
+    values = flat.new_zeros(p * chunk, dtype=torch.float32)
+    values[:n] = flat[:n]
+    tail = flat[n:].float().expand(p, exact_tail) if exact_tail else None
+    send = pack(values.view(p, chunk), block, tail, error)  # (P, row_bytes)
+    received = torch.empty_like(send)
+    handle = all_to_all(received, send, tag=tag, group=group)
+
+    def gathered() -> None:
+        mine = values.new_empty(chunk + exact_tail)  # this rank's chunk, then the tail
+        _sum_into(mine, received, chunk, block, exact_tail)
+        if average and p > 1:
+            mine.div_(p)
+        all_gather_int8(values, mine[:chunk], block=block, tag=tag, group=group).wait()
+        flat[:n].copy_(values[:n])
+        flat[n:].copy_(mine[chunk:])
+
+    return Then(handle, gathered)
