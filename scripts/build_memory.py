@@ -15,7 +15,7 @@ its memory, wraps four functions of trainer.run.loop (build_run, build_engine, t
 log_metrics) to note times, memory and losses, and runs train.py as `python train.py`
 would. With `--steps 0` every rank stops at the first step (after a barrier); otherwise
 it trains that many steps. Checkpoints are not written (`trainer.checkpoint.maybe_save`
-is replaced by a no-op: a 1B model's would be 16 GB of disk), nor `final_model.pt`.
+is replaced by a no-op: a 1B model's would be 16 GB of disk), nor the final model.
 
 [Note: what the build peak is]
 Per rank, `build peak` = the resident set's high-water mark when the first step starts

@@ -39,7 +39,7 @@ from trainer.parallel import build_engine
 from trainer.parallel.engine import Engine
 from trainer.run import dist as tdist
 from trainer.run import preempt, rundir
-from trainer.run.final import save_final_model
+from trainer.run.final import final_model_path, save_final_model
 from trainer.run.fit import check_fit
 from trainer.run.guard import Guard
 from trainer.run.optim import lr_scheduler, optimizer_factory, param_options
@@ -418,7 +418,8 @@ def finish(run: Run) -> dict[str, Any]:
         **run.last_eval,
     }
     if cfg.train.save_final:
-        save_final_model(engine, run_dir / "final_model.pt", env.is_rank0, run_dir / "model")
+        path = final_model_path(run_dir, engine.module)
+        save_final_model(engine, path, env.is_rank0, run_dir / "model")
     run.writer.final(final)
     run.writer.close()
     run.owner.release()
