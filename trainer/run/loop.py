@@ -35,7 +35,7 @@ from trainer.models.weights import Pretrained
 from trainer.observe import heap
 from trainer.observe.memory import MemoryMonitor, count_params
 from trainer.observe.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
-from trainer.parallel import build_engine
+from trainer.parallel import build_engine, experts
 from trainer.parallel.engine import Engine
 from trainer.run import dist as tdist
 from trainer.run import preempt, rundir
@@ -196,6 +196,8 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         init = SeededInit(cfg.seed)
         source = init if weights is None else Pretrained(weights, init=init)
     psi = count_params(model)  # before fsdp takes the parameters apart
+    # and before expert parallelism keeps n/E experts: 6 x this FLOPs per prediction
+    flop_params = experts.active_params(model, psi)
     if not cfg.train.meta_build:  # a meta model runs its first forward in the engine below
         check_fit(model, dataset, *names)
     if env.is_rank0:  # what scripts/sample.py and export_hf.py rebuild the model from
@@ -237,7 +239,8 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     metrics = IntervalMetrics(
         env.device,
         memory=MemoryMonitor(engine, psi, cfg.train.peak_every),
-        flops_per_token=6 * psi,  # forward 2Ψ + backward 4Ψ per prediction
+        # forward 2Ψ + backward 4Ψ per prediction, Ψ of an MoE its top-k experts' only
+        flops_per_token=6 * flop_params,
         peak_flops=peak_flops(env.device, engine.precision.param_dtype),  # None on CPU
     )
     bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
