@@ -19,44 +19,9 @@ With `--shard-group-size S` (hybrid sharding, S dividing P), four more:
     fsdp_hybrid  vs fsdp2_hsdp        mode=fsdp, mode.shard_group_size=S; the same with
                                       reshard_after_forward=True (FSDP2's HSDP)
 
-FSDP2 shards the same units as `mode=fsdp` (trainer.parallel.units.plan_units: here
-every hidden Linear), then the root. Every contender gets the same model (same seed),
-the same batch on each rank, and AdamW(lr=1e-3) with PyTorch's default implementation.
-
-Timing. Rounds alternate the contenders, in an order rotated every round, so drift of a
-shared machine hits all of them alike. Within a round each contender is built fresh,
-warmed up (`--warmup` steps), then `--steps` steps are timed one by one; a step's time is
-the slowest rank's. The table gives the median over all timed steps of all rounds, the
-ratios of those medians and, per round, the range of the ratio of that round's medians;
-the JSON keeps each round's medians.
-
-[Note: how memory is measured] Two figures per rank, in units of 16Ψ (fp32 params,
-grads and AdamW's two moments: what one process training alone holds; Ψ = parameters):
-  state  live model-state storages right after the optimizer step (its post-hook), each
-         storage counted once: ours from `trainer.observe.memory.measure(engine)` (params, grads,
-         optimizer state; comm buffers apart); PyTorch's from the module's parameters (a
-         DTensor by its local shard), their `.grad`, the optimizer state and, for DDP, its
-         gradient buckets (the Reducer keeps a flat copy of all gradients beside `.grad`
-         unless gradient_as_bucket_view=True; they are not reachable from Python, so
-         their sizes are read from `reducer._get_zeros_like_grad_buckets()`).
-  peak   the highest C-heap use during one steady step (after warm-up) above the use
-         before the model was built. Heap use is glibc's `mallinfo2()` (in-use heap
-         chunks + blocks malloc mapped on its own: every thread and arena, so buffers of
-         the backend's own threads count too), sampled after every tensor op of the step
-         (trainer/observe/heap.py's TorchDispatchMode: forward, backward, hooks, optimizer). It
-         includes what the step holds for a moment: gathered units, bucket buffers, receive buffers,
-         autograd's per-parameter gradients, optimizer temporaries, activations.
-         (torch.profiler's memory events were tried first: they miss frees made on
-         other threads, so FSDP2's figure crept up step after step.)
-Memory is measured once per contender (it does not drift), after the timed steps of the
-first round; `--mem-width/--mem-depth` add a pass on a larger model for memory alone.
-
-Traffic: bytes each rank sends per step. Ours: counted by trainer.comm (ring model) over
-the timed steps. PyTorch's: the ring formula for the collectives it issues (DDP one
-AllReduce of Ψ; FSDP2 one AllGather per unit forward, another per unit backward when it
-reshards after forward (not the root), one ReduceScatter per unit; HSDP the same inside
-groups of S plus an AllReduce of each unit's 1/S slice across the P/S groups). "across"
-is the part sent between shard groups (between nodes, when a group is a node).
+What every contender gets: [Note: what every contender gets], and traffic: [Note: traffic
+of the contenders], beside build; timing: [Note: timing rounds] beside timed_steps; memory:
+[Note: how memory is measured] beside memory_of.
 """
 
 from __future__ import annotations
@@ -186,6 +151,18 @@ def torch_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, extra: int =
     return storage_bytes(params + grads + state) + extra
 
 
+# [Note: traffic of the contenders]
+# Bytes each rank sends per step. Ours: counted by trainer.comm (ring model) over
+# the timed steps. PyTorch's: the ring formula for the collectives it issues (DDP one
+# AllReduce of Ψ; FSDP2 one AllGather per unit forward, another per unit backward when it
+# reshards after forward (not the root), one ReduceScatter per unit; HSDP the same inside
+# groups of S plus an AllReduce of each unit's 1/S slice across the P/S groups). "across"
+# is the part sent between shard groups (between nodes, when a group is a node).
+#
+# [Note: what every contender gets]
+# FSDP2 shards the same units as `mode=fsdp` (trainer.parallel.units.plan_units: here
+# every hidden Linear), then the root. Every contender gets the same model (same seed),
+# the same batch on each rank, and AdamW(lr=1e-3) with PyTorch's default implementation.
 def build(name: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor, s: int = 0) -> Built:
     """Contender `name`; `s` is the shard group size of the hybrid ones."""
     model = make_model(width, depth)
@@ -275,6 +252,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# [Note: timing rounds]
+# Rounds alternate the contenders, in an order rotated every round, so drift of a
+# shared machine hits all of them alike. Within a round each contender is built fresh,
+# warmed up (`--warmup` steps), then `--steps` steps are timed one by one; a step's time is
+# the slowest rank's. The table gives the median over all timed steps of all rounds, the
+# ratios of those medians and, per round, the range of the ratio of that round's medians;
+# the JSON keeps each round's medians.
 def timed_steps(
     b: Built, warmup: int, steps: int, device: torch.device
 ) -> tuple[list[float], float, float]:
@@ -308,6 +292,28 @@ def heap_bytes() -> int:
     return heap.heap_bytes()
 
 
+# [Note: how memory is measured]
+# Two figures per rank, in units of 16Ψ (fp32 params, grads and AdamW's two moments: what
+# one process training alone holds; Ψ = parameters):
+#   state  live model-state storages right after the optimizer step (its post-hook), each
+#          storage counted once: ours from `trainer.observe.memory.measure(engine)` (params, grads,
+#          optimizer state; comm buffers apart); PyTorch's from the module's parameters (a
+#          DTensor by its local shard), their `.grad`, the optimizer state and, for DDP, its
+#          gradient buckets (the Reducer keeps a flat copy of all gradients beside `.grad`
+#          unless gradient_as_bucket_view=True; they are not reachable from Python, so
+#          their sizes are read from `reducer._get_zeros_like_grad_buckets()`).
+#   peak   the highest C-heap use during one steady step (after warm-up) above the use
+#          before the model was built. Heap use is glibc's `mallinfo2()` (in-use heap
+#          chunks + blocks malloc mapped on its own: every thread and arena, so buffers of
+#          the backend's own threads count too), sampled after every tensor op of the step
+#          (trainer/observe/heap.py's TorchDispatchMode: forward, backward, hooks,
+#          optimizer). It includes what the step holds for a moment: gathered units,
+#          bucket buffers, receive buffers, autograd's per-parameter gradients, optimizer
+#          temporaries, activations.
+#          (torch.profiler's memory events were tried first: they miss frees made on
+#          other threads, so FSDP2's figure crept up step after step.)
+# Memory is measured once per contender (it does not drift), after the timed steps of the
+# first round; `--mem-width/--mem-depth` add a pass on a larger model for memory alone.
 def memory_of(
     name: str, width: int, depth: int, x, y, s: int = 0, warmup: int = 2
 ) -> dict[str, float]:

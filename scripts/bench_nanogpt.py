@@ -13,32 +13,14 @@ ours reads them with `data=token_file`); `--data prepare_text` has ours read the
 through `scripts/prepare_text.py --tokenizer char` instead (same characters, a split at a
 line end near 90%).
 
-The recipe is the one nanoGPT's README gives for a CPU: 4 layers x 4 heads x 128, block
-64, batch 12, 2000 iterations, lr 1e-3 with 100 warm-up steps and a cosine to 1e-4,
-betas (0.9, 0.99), weight decay 0.1 on matrices only, gradient clipping at 1.0, dropout
-0, evaluation every 250 steps over 20 batches. Ours runs it as `model=nanogpt` (nanoGPT's
-bias-free, tied architecture) with each option spelled in our config (`our_recipe`).
-Evaluation costs both tools the same forwards: nanoGPT evaluates 20 batches of the
-training split and 20 of the validation split, ours 40 batches of the validation split
-(it evaluates held-out data only).
+The recipe: [Note: the recipe] beside our_recipe.
 
 Runs, each a fresh process timed from start to exit (start-up included):
     nanogpt        nanoGPT's train.py, one process, `--threads` torch threads
     ours_p1        `python train.py`, one process, `--threads` threads
     ours_p<N>_<mode>   `torchrun --nproc-per-node=N train.py mode=<mode>`, each rank
                    `--threads / N` threads (torchrun's own default is 1)
-Each round runs every contender once, the order rotated from round to round, so that a
-machine's drift hits all alike; ratios are taken within a round. Columns: wall s (median
-over rounds), per step ms (nanoGPT: median of its printed iteration times; ours: median
-of perf/step_time_s over the log intervals), the last val loss each printed (nanoGPT's
-at iteration 2000, on 20 random batches; ours at step 2000, on the first 40 batches of
-the held-out set), the loss of each final model on every window of val.bin (`full val`,
-the same 1,716 windows of 64 predictions for both: a 20-batch figure moves by about 0.01
-from one draw of batches to the next; nanoGPT's model from the `ckpt.pt` it keeps, read
-with the checkout's own model.py), and the ratio of wall times to nanoGPT's of the same
-round. `--seeds 0,1,2,3` gives round r the r-th seed for every contender (ours `seed=`,
-nanoGPT's own train.py with its 1337 shifted by it): the loss columns are then the mean
-over seeds, as a 0.01 margin needs (one seed's full-val loss moves by about 0.01).
+Rounds and columns: [Note: rounds and columns] beside rows.
 """
 
 from __future__ import annotations
@@ -64,6 +46,15 @@ NANOGPT_ARGS = [  # the README's CPU command line, after config/train_shakespear
 ]  # fmt: skip
 
 
+# [Note: the recipe]
+# The recipe is the one nanoGPT's README gives for a CPU: 4 layers x 4 heads x 128, block
+# 64, batch 12, 2000 iterations, lr 1e-3 with 100 warm-up steps and a cosine to 1e-4,
+# betas (0.9, 0.99), weight decay 0.1 on matrices only, gradient clipping at 1.0, dropout
+# 0, evaluation every 250 steps over 20 batches. Ours runs it as `model=nanogpt` (nanoGPT's
+# bias-free, tied architecture) with each option spelled in our config (`our_recipe`).
+# Evaluation costs both tools the same forwards: nanoGPT evaluates 20 batches of the
+# training split and 20 of the validation split, ours 40 batches of the validation split
+# (it evaluates held-out data only).
 def our_recipe(data_dir: Path, steps: int) -> list[str]:
     """The same recipe as overrides of our config (nanoGPT's values in its train.py and
     config/train_shakespeare_char.py)."""
@@ -311,6 +302,19 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+# [Note: rounds and columns]
+# Each round runs every contender once, the order rotated from round to round, so that a
+# machine's drift hits all alike; ratios are taken within a round. Columns: wall s (median
+# over rounds), per step ms (nanoGPT: median of its printed iteration times; ours: median
+# of perf/step_time_s over the log intervals), the last val loss each printed (nanoGPT's
+# at iteration 2000, on 20 random batches; ours at step 2000, on the first 40 batches of
+# the held-out set), the loss of each final model on every window of val.bin (`full val`,
+# the same 1,716 windows of 64 predictions for both: a 20-batch figure moves by about 0.01
+# from one draw of batches to the next; nanoGPT's model from the `ckpt.pt` it keeps, read
+# with the checkout's own model.py), and the ratio of wall times to nanoGPT's of the same
+# round. `--seeds 0,1,2,3` gives round r the r-th seed for every contender (ours `seed=`,
+# nanoGPT's own train.py with its 1337 shifted by it): the loss columns are then the mean
+# over seeds, as a 0.01 margin needs (one seed's full-val loss moves by about 0.01).
 def rows(names: list[str], runs: dict[str, list[dict]]) -> list[dict]:
     out = []
     for n in names:

@@ -19,16 +19,8 @@ the ratios come from steps timed side by side. A step's time is the slowest rank
     *_compiled   with --compile: the same after trainer.models.compile.compile_layers(model)
                  (train.compile=true: each GPT block's forward through torch.compile)
 
-Same for all: trainer.models.builtin.GPT built from seed 0 (`--nanogpt`: bias-free with a
-tied head, as model=nanogpt), AdamW(lr=1e-3) with PyTorch's default implementation
-(`--fused`: torch's fused AdamW, optim=adamw's default; `--bucket-mb`: ddp's and zero's
-buckets), one fixed batch of windows per rank drawn from the token data
-(`data=tokens`'s synthetic bigram sequences, or `--data DIR` read by
-trainer.data.tokens.TokenData as `data=token_file data.dir=DIR` reads it), `--threads`
-torch threads per rank. Columns: tokens/s = global tokens per step / median step time;
-/ floor: against the floor of the same launch (same P); / 1-rank floor: against the
-floor of the 1-rank launch, when `--nproc` has 1; / eager: a compiled contender against
-its eager twin; per round: the range of that round's ratio to the floor.
+What every contender shares: [Note: what every contender shares] beside build; the
+columns: [Note: the columns] beside rows.
 """
 
 from __future__ import annotations
@@ -135,6 +127,14 @@ def make_model(args: argparse.Namespace, vocab: int) -> GPT:
     )
 
 
+# [Note: what every contender shares]
+# Same for all: trainer.models.builtin.GPT built from seed 0 (`--nanogpt`: bias-free with a
+# tied head, as model=nanogpt), AdamW(lr=1e-3) with PyTorch's default implementation
+# (`--fused`: torch's fused AdamW, optim=adamw's default; `--bucket-mb`: ddp's and zero's
+# buckets), one fixed batch of windows per rank drawn from the token data
+# (`data=tokens`'s synthetic bigram sequences, or `--data DIR` read by
+# trainer.data.tokens.TokenData as `data=token_file data.dir=DIR` reads it), `--threads`
+# torch threads per rank.
 def build(name: str, args: argparse.Namespace, vocab: int, x, y) -> Built:
     from trainer.parallel import build_engine
     from trainer.run.loop import forward_backward
@@ -202,6 +202,11 @@ def run(args: argparse.Namespace) -> dict:
     return result if env.is_rank0 else {}
 
 
+# [Note: the columns]
+# Columns: tokens/s = global tokens per step / median step time;
+# / floor: against the floor of the same launch (same P); / 1-rank floor: against the
+# floor of the 1-rank launch, when `--nproc` has 1; / eager: a compiled contender against
+# its eager twin; per round: the range of that round's ratio to the floor.
 def rows(names, times, rounds, tokens: int, world_size: int) -> list[dict]:
     med = {n: statistics.median(times[n]) for n in names}
     out = []

@@ -15,30 +15,12 @@ its memory, wraps four functions of trainer.run.loop (build_run, build_engine, t
 log_metrics) to note times, memory and losses, and runs train.py as `python train.py`
 would. With `--steps 0` every rank stops at the first step (after a barrier); otherwise
 it trains that many steps. Checkpoints are not written (`trainer.checkpoint.maybe_save`
-is replaced by a no-op: a 1B model's would be 16 GB of disk), nor `final_model.pt`.
+is replaced by a no-op: a 1B model's would be 16 GB of disk), nor the final model.
 
-[Note: what the build peak is]
-Per rank, `build peak` = the resident set's high-water mark when the first step starts
-(`getrusage(RUSAGE_SELF).ru_maxrss`, kept by the kernel, so no spike is missed) minus
-the resident set right after the imports (torch's and the other libraries' pages,
-about the same in every mode and case). It covers Hydra, the process group, the data,
-building the model, the engine (broadcast, sharding, values from the source) and
-`check_fit`'s forward. A checkpoint read through safetensors' mmap also counts the pages
-of the file a rank touched: page cache, shared between the ranks and given back under
-pressure, not memory the process holds. So a second figure, `anon peak`, is the
-anonymous resident set (RssAnon of /proc/self/status, the process's own memory: every
-tensor) sampled every 5 ms over the same window, minus its value after the imports.
-Without a mapped checkpoint the two agree to a few MB; with one, `anon peak` is the
-figure to read. Libraries loaded later (transformers' model code) count in both; they
-are imported before the baseline where the case needs them.
-
-The formula column is `trainer.estimate`'s build peak for the case (scripts/estimate.py
-prints it: `build` and `meta build`), computed on the meta model.
-
-Before each case the script checks /proc/meminfo's MemAvailable: a case whose estimate
-(formula per rank plus `--libs-gib` of each rank's own library memory, times the ranks;
-with --steps, the training figures of trainer.estimate too) is above MemAvailable minus
-`--margin-gib` is skipped and listed as such (other jobs share the machine).
+The two peaks: [Note: what the build peak is] beside proc_status. The formula column is
+`trainer.estimate`'s build peak for the case (scripts/estimate.py prints it: `build` and
+`meta build`), computed on the meta model. Cases too large for the machine's free memory
+are skipped ([Note: cases that do not fit]).
 """
 
 from __future__ import annotations
@@ -103,6 +85,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Memory of this process
 
 
+# [Note: what the build peak is]
+# Per rank, `build peak` = the resident set's high-water mark when the first step starts
+# (`getrusage(RUSAGE_SELF).ru_maxrss`, kept by the kernel, so no spike is missed) minus
+# the resident set right after the imports (torch's and the other libraries' pages,
+# about the same in every mode and case). It covers Hydra, the process group, the data,
+# building the model, the engine (broadcast, sharding, values from the source) and
+# `check_fit`'s forward. A checkpoint read through safetensors' mmap also counts the pages
+# of the file a rank touched: page cache, shared between the ranks and given back under
+# pressure, not memory the process holds. So a second figure, `anon peak`, is the
+# anonymous resident set (RssAnon of /proc/self/status, the process's own memory: every
+# tensor) sampled every 5 ms over the same window, minus its value after the imports.
+# Without a mapped checkpoint the two agree to a few MB; with one, `anon peak` is the
+# figure to read. Libraries loaded later (transformers' model code) count in both; they
+# are imported before the baseline where the case needs them.
 def proc_status() -> dict[str, int]:
     """VmRSS, VmHWM, RssAnon, RssFile of this process, in bytes."""
     out = {}
@@ -320,6 +316,11 @@ def formulas(args: argparse.Namespace, mode: str) -> dict:
     return estimate(cfgs, c, 1e15, alternative=False)[mode]
 
 
+# [Note: cases that do not fit]
+# Before each case the script checks /proc/meminfo's MemAvailable: a case whose estimate
+# (formula per rank plus `--libs-gib` of each rank's own library memory, times the ranks;
+# with --steps, the training figures of trainer.estimate too) is above MemAvailable minus
+# `--margin-gib` is skipped and listed as such (other jobs share the machine).
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:

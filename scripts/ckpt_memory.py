@@ -7,30 +7,20 @@ before the operation.
         scripts/ckpt_memory.py --mode zero --n-layer 4 --n-embd 512 --dir /tmp/ck
     ... --mode fsdp --resume-from /tmp/ck/zero/step_000001 --dir /tmp/ck   # a re-cut
 
-With MALLOC_MMAP_THRESHOLD_ fixed, every tensor above 64 kB is its own mapping, handed
-back to the kernel when freed, so the peak is what was alive at once. Each rank builds a
-GPT (vocabulary 256, 64 positions: Ψ ≈ 12 L d²), takes one AdamW step on random tokens,
-then: `save` (checkpoint.save into --dir/<mode>; with --async an async save, [Note: async
-save]: `save_stall_s` is how long training waits, the copy to the host, and `save_s` the
-whole save up to its commit; sync: the two are the same; two saves, the second finding
-the host copy allocated), or with --resume-from, `resume`
-(checkpoint.load into a freshly built engine; its optimizer state, which a first step
-allocates too, is part of it: 8Ψ/P in zero and fsdp, 8Ψ in ddp); rank 0 then
-`consolidate`s the checkpoint (the model once, 4Ψ) and, with --export DIR, writes it as
-safetensors in shards of 100 MB (what export_hf.py writes). Run it for two sizes and read the
-growth between them: fixed overheads cancel. Prints one JSON line per rank.
+With MALLOC_MMAP_THRESHOLD_ fixed ([Note: one mapping per tensor]) each rank builds a GPT
+(vocabulary 256, 64 positions: Ψ ≈ 12 L d²), takes one AdamW step on random tokens, then:
+`save` (checkpoint.save into --dir/<mode>; with --async an async save, [Note: async save]:
+`save_stall_s` is how long training waits, the copy to the host, and `save_s` the whole
+save up to its commit; sync: the two are the same; two saves, the second finding the host
+copy allocated), or with --resume-from, `resume` (checkpoint.load into a freshly built
+engine; its optimizer state, which a first step allocates too, is part of it: 8Ψ/P in
+zero and fsdp, 8Ψ in ddp); rank 0 then `consolidate`s the checkpoint (the model once, 4Ψ)
+and, with --export DIR, writes it as safetensors in shards of 100 MB (what export_hf.py
+writes). Run it for two sizes and read the growth between them: fixed overheads cancel.
+Prints one JSON line per rank.
 
-A resume against a fresh start, as a run sees it: `--fresh` builds the engine and takes
-two steps (`run_MiB`: the peak of build and steps, above RssAnon before the build), and
-`--resume-from CKPT --step` builds it, loads CKPT and takes two steps (`run_MiB`: the
-peak of all of it); the bound is the growth of their difference between two sizes. Two
-steps, since a fresh run's first runs its forward and backward before the optimizer
-state exists (its first `step()` allocates it): from the second on, every step of a
-fresh run holds what a resumed run holds from its first.
-
-    ... --mode zero --fresh --dir /tmp/ck                               # zero x 2 fresh
-    ... --mode zero --resume-from /tmp/ck/fsdp/step_000001 --step --dir /tmp/ck
-    ... --mode fsdp --shard-group-size 2 ...                            # hybrid
+`--fresh` and `--resume-from CKPT --step` compare a resume with a fresh start, as a run
+sees it ([Note: a resume against a fresh start], with the commands).
 """
 
 from __future__ import annotations
@@ -56,6 +46,9 @@ def rss_anon() -> int:
     raise RuntimeError("no RssAnon in /proc/self/status")
 
 
+# [Note: one mapping per tensor]
+# With MALLOC_MMAP_THRESHOLD_ fixed, every tensor above 64 kB is its own mapping, handed
+# back to the kernel when freed, so the peak is what was alive at once.
 class Peak:
     """RssAnon's highest value while the block runs, above its value at the start."""
 
@@ -95,6 +88,18 @@ def _engine(args):  # -> (engine, the model's parameter count)
     return build_engine(model, args.mode, adamw, **options), numel
 
 
+# [Note: a resume against a fresh start]
+# A resume against a fresh start, as a run sees it: `--fresh` builds the engine and takes
+# two steps (`run_MiB`: the peak of build and steps, above RssAnon before the build), and
+# `--resume-from CKPT --step` builds it, loads CKPT and takes two steps (`run_MiB`: the
+# peak of all of it); the bound is the growth of their difference between two sizes. Two
+# steps, since a fresh run's first runs its forward and backward before the optimizer
+# state exists (its first `step()` allocates it): from the second on, every step of a
+# fresh run holds what a resumed run holds from its first.
+#
+#     ... --mode zero --fresh --dir /tmp/ck                               # zero x 2 fresh
+#     ... --mode zero --resume-from /tmp/ck/fsdp/step_000001 --step --dir /tmp/ck
+#     ... --mode fsdp --shard-group-size 2 ...                            # hybrid
 def _step(engine) -> None:
     """One AdamW step on random tokens (its first allocates the optimizer state)."""
     x = torch.randint(0, 256, (2, 64))

@@ -15,9 +15,10 @@ tokenizer). Weights are the run's, bitwise, in fp32 unless --dtype says otherwis
 A checkpoint is read range by range, one tensor at a time, straight into the output
 files ([Note: streamed export] in trainer/checkpoint/export.py): no engine, no optimizer
 state; its memory is the largest tensor, whatever the model's size. Two cases load the
-model whole (4Ψ in fp32) and write it with save_pretrained: a run that left only
-final_model.pt, and a transformers model whose weights are converted on save (mixture of
-experts: stacked experts written one per expert).
+model whole (4Ψ in fp32) and write it with save_pretrained: a run that left only its
+final model (final_model.pt, or model=hf's final_model/), and a transformers model
+whose weights are converted on save (mixture of experts: stacked experts written one per
+expert).
 """
 
 from __future__ import annotations

@@ -101,8 +101,12 @@ import json, sys
 from pathlib import Path
 import torch
 mode, out, nproc, tol, what = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
-run = torch.load(out / f"{mode}-checked" / "final_model.pt", weights_only=True)
-ref = torch.load(out / f"{mode}-reference" / "final_model.pt", weights_only=True)
+def final(run):  # the final model: final_model.pt, or model=hf's final_model/
+    if (run / "final_model.pt").is_file():
+        return torch.load(run / "final_model.pt", weights_only=True)
+    from trainer.models.lm import hf_causal_lm
+    return hf_causal_lm(str(run / "final_model")).state_dict()
+run, ref = final(out / f"{mode}-checked"), final(out / f"{mode}-reference")
 if run.keys() != ref.keys():
     print(f"{mode}: MISMATCH parameter names differ")
     sys.exit(1)

@@ -3,9 +3,10 @@ saved from.
 
     python scripts/sample.py runs/<run> --prompt "def " --tokens 200 --temperature 0.8
 
-Loads the run's newest checkpoint (else its final_model.pt), rebuilds the model from
-<run>/model/config.json and decodes with the tokenizer the data was prepared with
-(<run>/model/meta.json, tokenizer.json; token ids are printed where none is known).
+Loads the run's newest checkpoint (else its final model: final_model.pt, or model=hf's
+final_model/), rebuilds the model from <run>/model/config.json and decodes with the
+tokenizer the data was prepared with (<run>/model/meta.json, tokenizer.json; token ids
+are printed where none is known).
 The same --seed gives the same text.
 """
 

@@ -108,11 +108,13 @@ def test_final_model_with_shard_groups(tmp_path):
 
 def test_a_hugging_face_final_model_is_a_directory_from_pretrained_loads(tmp_path):
     """What final_model/ holds for model=hf, from a module computing in bf16: fp32 values,
-    split above the shard size, tied weights once, loaded as they are."""
+    split above the shard size, tied weights once, loaded as they are; and that it is the
+    only copy of the final model the run leaves (a built-in model's is final_model.pt)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    from trainer.models.builtin import GPT
     from trainer.models.lm import CausalLM
-    from trainer.run.final import write_hf_dir
+    from trainer.run.final import final_model_path, save_final_model, write_hf_dir
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -136,3 +138,18 @@ def test_a_hugging_face_final_model_is_a_directory_from_pretrained_loads(tmp_pat
     loaded = AutoModelForCausalLM.from_pretrained(out)
     for k, v in loaded.state_dict().items():
         assert v.dtype == torch.float32 and torch.equal(v, want[f"hf.{k}"]), k
+
+    class Engine:  # what save_final_model asks of an engine, on rank 0
+        module = model
+
+        def full_state_dict(self, rank0_only: bool = False):
+            return dict(want)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    path = final_model_path(run, model)
+    save_final_model(Engine(), path, True, tmp_path / "model")
+    assert path == run / "final_model" and [p.name for p in run.iterdir()] == ["final_model"]
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert all(torch.equal(v, want[f"hf.{k}"]) for k, v in loaded.state_dict().items())
+    assert final_model_path(run, GPT()) == run / "final_model.pt"

@@ -21,9 +21,7 @@ A unit run again after another unit ran in between (`l1, l2, l1`) is refused by 
 with reshard_after_forward=true on more than one rank: its second AllGather would have no
 partner on a rank that calls it once. That refusal is tested on its own, at the end.
 
-Every collective waits at most PG_TIMEOUT_S, so a hang fails in seconds. SGD (no eps):
-the references differ from the engines only in the order per-rank gradients are summed
-(relative 1e-7), which 3 steps at lr 0.05 keep far below atol 1e-5 / rtol 1e-4.
+Hangs and tolerances: [Note: hangs and tolerances] beside _check.
 """
 
 from __future__ import annotations
@@ -332,6 +330,10 @@ def _results(world: int, which: str) -> tuple[list[Case], list[dict]]:
     return cases, results
 
 
+# [Note: hangs and tolerances]
+# Every collective waits at most PG_TIMEOUT_S, so a hang fails in seconds. SGD (no eps):
+# the references differ from the engines only in the order per-rank gradients are summed
+# (relative 1e-7), which 3 steps at lr 0.05 keep far below atol 1e-5 / rtol 1e-4.
 def _check(world: int, which: str, mode: str) -> None:
     cases, results = _results(world, which)
     for case in cases:

@@ -58,8 +58,9 @@ CASES["mlp_looped"] = ["model=mlp", "model.hidden=256", "model.depth=4", "model.
 # int8 on the wire both ways (ddp: its AllReduce): all-to-alls and AllGathers of packed rows
 CASES["mlp_int8"] = [*CASES["mlp"], "mode.reduce_dtype=int8", "mode.gather_dtype=int8"]
 # expert parallelism, E = 2: each rank holds 2 of the 4 experts of each layer, cut over
-# the P/E ranks of its expert-data-parallel group in zero and fsdp. The estimate has no
-# activations for an MoE (routing decides its shapes), so none are measured.
+# the P/E ranks of its expert-data-parallel group in zero and fsdp. The estimate's pass
+# routes as if balanced; the measured one routes the real tokens ([Note: routing in a pass
+# without values] in parallel/experts.py: the bytes do not depend on the split).
 CASES["gpt_moe_ep2"] = [
     "model=gpt_moe",
     "data=tokens",
@@ -343,6 +344,43 @@ def test_build_peak_within_10pct_of_measured(runs):
 # Without processes
 
 
+def test_moe_flops_count_the_top_k_experts_as_torch_counts_them():
+    """A GPT-MoE routing each token to 2 of 8 experts: the estimate's FLOPs per token
+    against torch's FlopCounterMode over a real forward and backward. torch counts the
+    matmuls (mm, addmm), each 2·m·n·k and twice that in backward: exactly 6 x (Linear
+    weights + the top-k experts' weights) per token, whatever the real routing (each
+    token's k rows meet one expert each). 6Ψ counts, besides, the parameters no matmul
+    multiplies (embedding tables, LayerNorms, biases): those are taken off, exactly.
+    Attention's own FLOPs are in neither figure (torch counts them as other ops)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer.models.builtin import Experts, loss_fn
+
+    overrides = ["model=gpt_moe", "data=tokens", "model.n_experts=8", "model.top_k=2"]
+    cfgs = compose_modes([*overrides, "mode=ddp", "train.batch_size=4"], 1)
+    est = estimate(cfgs, cluster(1), DEVICE, alternative=False)["ddp"]
+    cfg = cfgs["ddp"]
+    torch.manual_seed(0)
+    model = instantiate(cfg.model, **model_sizes(cfg))
+    xs, ys = instantiate(cfg.data.dataset).tensors
+    x, y = xs[: est["micro_batch"]], ys[: est["micro_batch"]]
+    with FlopCounterMode(display=False) as counter:
+        (loss_fn(model(x), y) + model.aux_loss).backward()
+    counts = counter.get_flop_counts()["Global"]
+    matmuls = counts[torch.ops.aten.mm] + counts[torch.ops.aten.addmm]
+
+    psi = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    routed = sum(
+        p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters()
+    )
+    no_matmul = psi - linear - routed  # embeddings, LayerNorms, biases
+    assert routed > psi / 2  # the experts weigh: counting all 8 would be far off
+    assert est["flops_per_prediction"] * y.numel() - 6 * no_matmul * y.numel() == matmuls
+    rate = 0.4 * 989e12  # cluster(): MFU x peak
+    assert est["compute_s"] == pytest.approx(est["flops_per_prediction"] * y.numel() / rate)
+
+
 def test_zero_paper_figure_1():
     """ZeRO (Rajbhandari et al. 2020), Figure 1: Ψ = 7.5B, 64 GPUs, mixed-precision Adam,
     K = 12 (fp32 master 4 + moments 8): 2Ψ + 2Ψ + KΨ per GPU for the baseline,
@@ -396,6 +434,23 @@ def test_hybrid_sharding_divides_by_the_group_and_replicates_across():
     assert across == pytest.approx(total * 2 / 16)
 
 
+def test_a_transformers_moe_gets_model_states_and_no_pass():
+    """transformers' experts cannot run in fake tensors (experts.routes_in_fake_tensors): a
+    Mixtral (2 layers of 4 experts, top 2) gets model states, traffic and the experts'
+    figures, with no activations and no step time; its FLOPs count 2 of the 4 experts."""
+    sizes = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=2"]
+    sizes += ["num_attention_heads=2", "num_key_value_heads=1", "num_local_experts=4"]
+    overrides = ["model=hf", "+model.config.model_type=mixtral", "data=tokens"]
+    result = estimate(
+        compose_modes([*overrides, *(f"+model.config.{s}" for s in sizes)], 2), cluster(2), DEVICE
+    )
+    routed = 2 * 4 * 3 * 32 * 64  # layers x experts x (gate, up, down) x hidden x intermediate
+    for fig in result.values():
+        assert "activation_bytes" not in fig and "step_s" not in fig
+        assert fig["experts"]["expert_params"] == routed
+        assert fig["flops_per_prediction"] == 6 * (fig["params"] - routed + routed * 2 // 4)
+
+
 def test_step_time_follows_the_documented_model():
     """ddp, 1e9 parameters in bf16 on 2 nodes of 8, 1000 tokens per rank: forward
     2Ψ x 1000 FLOPs, backward twice that, at 0.5 x 1 PFLOP/s; the fp32 AllReduce,
@@ -414,6 +469,11 @@ def test_step_time_follows_the_documented_model():
     assert comm > bwd  # the communication shows
     ckpt = traffic.step_time(plan, sent, c, 1000, 1, checkpointing=True)
     assert ckpt["compute_s"] == pytest.approx(fwd + bwd + fwd)  # the forward again
+    # an AllToAll over 16 ranks on 2 nodes sends to each of the 15 others alike: 8 of
+    # them are on the other node; inside one node nothing crosses
+    a2a = traffic.Sent("all_to_all", 15.0, list(range(16)), traffic.EXPOSED)
+    assert traffic.split([a2a], 8) == {"all_to_all": {"inside_node": 7.0, "across_nodes": 8.0}}
+    assert traffic.split([a2a], 16)["all_to_all"]["across_nodes"] == 0
 
 
 def test_bad_cluster_input_is_one_line(capsys):

@@ -181,15 +181,18 @@ def test_hf_dirs_train_in_every_mode_as_one_process(tmp_path, text_dir):
 def test_hf_run_exports_a_directory_from_pretrained_loads(tmp_path, text_dir):
     from transformers import AutoModelForCausalLM
 
-    from trainer.models.lm import hf_causal_lm
+    from trainer import checkpoint
+    from trainer.models.lm import hf_causal_lm, run_model
 
     dirs = _hf_dirs(tmp_path)
     args = ["model=hf", f"model.path={dirs['llama']}", "data=token_file", f"data.dir={text_dir}"]
     run = _run(
         tmp_path, "llama", *args, "mode=fsdp", "train.steps=4", "train.batch_size=8", nproc=2
     )
-    # The run's own final_model/ loads as it is (export_hf.py is for older runs)
-    final = torch.load(run / "final_model.pt", weights_only=True)
+    # The run's final model is written once, as final_model/, which from_pretrained loads
+    # as it is: bitwise the last step's checkpoint, consolidated from the ranks' shards
+    assert not (run / "final_model.pt").exists()
+    final = checkpoint.consolidate(run / "checkpoints" / "step_000004")
     own = AutoModelForCausalLM.from_pretrained(run / "final_model")
     assert own.state_dict().keys() == {k.removeprefix("hf.") for k in final}
     assert all(torch.equal(v, final[f"hf.{k}"]) for k, v in own.state_dict().items())
@@ -201,7 +204,6 @@ def test_hf_run_exports_a_directory_from_pretrained_loads(tmp_path, text_dir):
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "lm_head.weight" not in index  # tied: stored once
     loaded = AutoModelForCausalLM.from_pretrained(out)
-    final = torch.load(run / "final_model.pt", weights_only=True)
     assert all(torch.equal(v, final[f"hf.{k}"]) for k, v in loaded.state_dict().items())
     ours = hf_causal_lm(str(dirs["llama"]))
     ours.load_state_dict(final)  # the trained engine's full state
@@ -220,9 +222,20 @@ def test_hf_run_exports_a_directory_from_pretrained_loads(tmp_path, text_dir):
             tmp_path, f"tuned_{meta}", *args, "mode=fsdp", "train.steps=2",
             "train.batch_size=8", f"train.meta_build={meta}", nproc=2,
         )  # fmt: skip
-        tuned[meta] = torch.load(again_run / "final_model.pt", weights_only=True)
+        tuned[meta] = hf_causal_lm(str(again_run / "final_model")).state_dict()
     assert all(torch.equal(tuned["true"][k], tuned["false"][k]) for k in final)
     assert any(not torch.equal(tuned["true"][k], final[k]) for k in final)  # it trained
+
+    # A run with its final model only: sample.py and export_hf.py read final_model/
+    shutil.rmtree(run / "checkpoints")
+    model, _, source = run_model(run)
+    assert source == str(run / "final_model")
+    assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
+    text = sample(run, "def ", 6, seed=1)
+    assert text.startswith("def ") and len(text) == 10 and text == sample(run, "def ", 6, seed=1)
+    export(run, tmp_path / "from_final")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "from_final")
+    assert all(torch.equal(v, final[f"hf.{k}"]) for k, v in loaded.state_dict().items())
 
 
 @pytest.mark.parametrize(
@@ -256,5 +269,10 @@ def test_bad_model_dirs_and_runs(tmp_path):
     with pytest.raises(ConfigError, match="needs model.path=DIR .* or model.config.model_type"):
         hf_causal_lm()
     (tmp_path / "run").mkdir()
-    with pytest.raises(ConfigError, match="has no checkpoint"):
+    with pytest.raises(ConfigError, match="has no checkpoint .* and no final model"):
         run_model(tmp_path / "run")
+    # a model=hf run directory as model.path: the message names its final model
+    (tmp_path / "run" / "final_model").mkdir()
+    (tmp_path / "run" / "final_model" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="whose final model is model.path=.*/run/final_model$"):
+        hf_causal_lm(str(tmp_path / "run"))

@@ -10,16 +10,8 @@ global batch, and compares the final parameters (and buffers) with
 Models are built from the same seed on every rank; losses are means over a rank's slice,
 so averaging gradients over ranks is one big batch's gradient.
 
-Speed: all cases of one world size run in one process group (`_results`); starting
-processes is the slow part. Within it, every case is caught on its own: an exception
-becomes a recorded error and the next case starts. After each case the ranks compare
-outcomes through a file store (not through a collective, which a failed case could have
-left out of step); after an error, a fresh AllReduce must still pair up. Otherwise the
-group is not trusted any more and the cases left run again in a fresh group.
-The case that can put the ranks' collectives out of step (pattern 4: code that runs on
-some ranks only) comes last, under a short collective timeout, so that a hang fails its
-test in seconds; a rank that Gloo aborts (messages of different sizes paired up) is
-noticed at once and its results so far are read from the file it saves after each case.
+Speed, and cases that fail or hang: [Note: one process group for every case] beside
+_run_cases.
 
 Tolerances: fp32 throughout, SGD (or AdamW with eps=1e-3, where AdamW's handling of
 "no gradient" is what is tested: its default eps would turn the rounding noise of a zero
@@ -885,6 +877,17 @@ def _group_healthy(store, key: str, env) -> bool:
 MAIN_TIMEOUT_S, RANK_DEPENDENT_TIMEOUT_S = 60, 20
 
 
+# [Note: one process group for every case]
+# Speed: all cases of one world size run in one process group (`_results`); starting
+# processes is the slow part. Within it, every case is caught on its own: an exception
+# becomes a recorded error and the next case starts. After each case the ranks compare
+# outcomes through a file store (not through a collective, which a failed case could have
+# left out of step); after an error, a fresh AllReduce must still pair up. Otherwise the
+# group is not trusted any more and the cases left run again in a fresh group.
+# The case that can put the ranks' collectives out of step (pattern 4: code that runs on
+# some ranks only) comes last, under a short collective timeout, so that a hang fails its
+# test in seconds; a rank that Gloo aborts (messages of different sizes paired up) is
+# noticed at once and its results so far are read from the file it saves after each case.
 def _run_cases(env, plan: list[tuple[str, list[str]]], folder: str) -> dict:
     """Each (case, modes) of `plan` on this rank, in order: {(case, mode): result}. A
     result has "state" (and "eval"), or "error" (with "unchanged": whether this rank's

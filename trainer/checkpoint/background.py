@@ -1,29 +1,7 @@
 """Async save (`ckpt.async=true`): the files written by a thread while training goes on,
-committed later by the main thread.
-
-[Note: async save]
-A save stalls training for the time it takes to write and fsync this rank's data file. With
-`ckpt.async=true` the stall is only a copy: on the main thread, every rank copies what it
-writes into one host buffer (`stage_entries`, laid out as `rank{r}.bin`; pinned on CUDA,
-the device-to-host copy waited for before training goes on, so later steps cannot change
-it), takes its RNG states and the samplers' state, and hands the copy to one writer thread.
-That copy is the memory the option trades for the stall: the size of this rank's data file,
-allocated at the first async save and kept (pinned allocations are slow) until the run ends.
-
-The writer thread does local file I/O only: `rank{r}.bin`, `rank{r}.pt` and rank 0's
-`meta.pt` into the temporary directory. Collectives never run on it: they would interleave
-with the training collectives of the same group. The commit of [Note: atomic checkpoints]
-(agree that every rank's files are written, then rank 0's marker, rename and prune) runs
-on the main thread, at one of these points, which every rank reaches alike:
-- a check step (loop.py's `Every.check`): one small AllReduce counts the ranks still
-  writing and those whose write failed; when all are done the save is committed, when one
-  failed every rank ends the run with that rank's one line; else training goes on;
-- the next save, which first waits for this one's write and commits it (a second save waits
-  for the first: one host copy, one writer);
-- the last step and a stop on SIGTERM, which wait for their own save's write and commit it
-  before the run ends ([Note: stopping on SIGTERM]).
-A run that fails otherwise joins the thread and leaves the uncommitted directory under its
-temporary name, which the next successful save removes.
+committed later by the main thread. Training stalls for a copy to the host only; the
+writer thread does local file I/O only, and the commit runs on the main thread at points
+every rank reaches alike ([Note: async save], beside `Pending`).
 """
 
 from __future__ import annotations
@@ -40,6 +18,29 @@ from trainer.observe import host
 Commit = Callable[[str | None], None]
 
 
+# [Note: async save]
+# A save stalls training for the time it takes to write and fsync this rank's data file. With
+# `ckpt.async=true` the stall is only a copy: on the main thread, every rank copies what it
+# writes into one host buffer (`stage_entries`, laid out as `rank{r}.bin`; pinned on CUDA,
+# the device-to-host copy waited for before training goes on, so later steps cannot change
+# it), takes its RNG states and the samplers' state, and hands the copy to one writer thread.
+# That copy is the memory the option trades for the stall: the size of this rank's data file,
+# allocated at the first async save and kept (pinned allocations are slow) until the run ends.
+#
+# The writer thread does local file I/O only: `rank{r}.bin`, `rank{r}.pt` and rank 0's
+# `meta.pt` into the temporary directory. Collectives never run on it: they would interleave
+# with the training collectives of the same group. The commit of [Note: atomic checkpoints]
+# (agree that every rank's files are written, then rank 0's marker, rename and prune) runs
+# on the main thread, at one of these points, which every rank reaches alike:
+# - a check step (loop.py's `Every.check`): one small AllReduce counts the ranks still
+#   writing and those whose write failed; when all are done the save is committed, when one
+#   failed every rank ends the run with that rank's one line; else training goes on;
+# - the next save, which first waits for this one's write and commits it (a second save waits
+#   for the first: one host copy, one writer);
+# - the last step and a stop on SIGTERM, which wait for their own save's write and commit it
+#   before the run ends ([Note: stopping on SIGTERM]).
+# A run that fails otherwise joins the thread and leaves the uncommitted directory under its
+# temporary name, which the next successful save removes.
 class Pending:
     """One async save: its writer thread (None when staging already failed) and its commit."""
 

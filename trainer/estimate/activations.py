@@ -16,7 +16,9 @@ counted as model state). Parameter gradients are thus model state, not activatio
 Fake tensors on the CPU device, not the meta device: on meta, attention falls back to
 the math kernel, which keeps the (T, T) attention matrix, where the CPU (and a GPU)
 runs a fused kernel that keeps only its output and log-sum-exp. The forward is the
-engines' (inputs cast to the compute dtype, outputs to fp32, the trainer's loss).
+engines' (inputs cast to the compute dtype, outputs to fp32, the trainer's loss, an
+MoE's load-balancing loss added); an MoE routes as if balanced ([Note: routing in a pass
+without values] in parallel/experts.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainer.models.builtin import loss_fn
+from trainer.models.builtin import aux_loss, loss_fn
+from trainer.parallel.experts import balanced_routing
 from trainer.parallel.precision import Precision, cast_module
 
 
@@ -86,7 +89,7 @@ def measure_passes(
     """One forward and backward of each micro-batch size, with samples shaped like
     `sample` (x, y), through the model `build()` makes, in fake tensors."""
     x0, y0 = sample
-    with FakeTensorMode():
+    with FakeTensorMode(), balanced_routing():
         model = build()
         if precision.mixed:
             cast_module(model, precision.param_dtype)
@@ -105,6 +108,8 @@ def measure_passes(
                 (inputs,) = precision.cast_in((x,))
                 del calls[:]
                 loss = loss_fn(precision.cast_out(model(inputs)), y)
+                aux = aux_loss(model)  # (), as the loop adds it
+                loss = loss if aux is None else loss + aux
                 saved, forward = live.live, tuple(calls)
                 loss.backward()
                 del loss

@@ -67,7 +67,8 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
                 f"{x['expert_params_held_per_rank']:,} held and "
                 f"{x['expert_params_stepped_per_rank']:,} stepped at mode.expert_parallel="
                 f"{x['expert_parallel']}; AllToAll {x['all_to_all_bytes_per_step'] / net:.2f} "
-                f"{net_name} sent per rank and step (not in the sent columns)"
+                f"{net_name} sent per rank and step (not in the sent columns"
+                f"{'; in step s' if full else ''})"
             )
     if any("alternative" in f for f in figs):
         lines.append("+ckpt / -ckpt: the same with model.activation_checkpointing switched")

@@ -18,7 +18,7 @@ from trainer.config.checks import engine_options
 from trainer.errors import ConfigError
 from trainer.estimate import layout
 from trainer.estimate.activations import Activations, measure_passes
-from trainer.estimate.traffic import Cluster, collectives, split, step_time
+from trainer.estimate.traffic import EXPOSED, Cluster, Sent, collectives, split, step_time
 from trainer.observe.metrics import PEAK_FLOPS
 from trainer.parallel import calls, experts
 from trainer.parallel.precision import Precision
@@ -58,10 +58,11 @@ def estimate(
         opt = layout.OptimizerState(opt.per_element, 0)
     else:
         model = build_meta(first)
-        # An MoE's routing decides its shapes from the data: no pass in fake tensors
-        # (model states, traffic and the experts' figures only)
-        moe = experts.moe_shape(model) is not None
-        passes = None if moe else _passes(first, micro, alternative)
+        # GPT-MoE routes as if balanced in the pass ([Note: routing in a pass without
+        # values] in parallel/experts.py); transformers' experts cannot run in fake
+        # tensors: model states, traffic and the experts' figures only
+        ok = experts.routes_in_fake_tensors(model)
+        passes = _passes(first, micro, alternative) if ok else None
         buffers = _buffer_bytes(model, Precision.of(first.precision))
         built = _built_bytes(model)
     out = {}
@@ -88,10 +89,14 @@ def estimate(
                 forward = next(iter(passes.values()))[0].calls
                 gathers = {f.unit for f in plan.flat_buffers}
                 plan.again = calls.gathered_again(forward, plan.units, gathers)
+        # a token's forward multiplies by these: an MoE's top-k experts, not all of them
+        flop_params = plan.psi if model is None else experts.active_params(model, plan.psi)
         state = layout.max_model_state(plan, precision, opt)
         sent = collectives(plan, precision, world, k, buffers)
         fig: dict[str, Any] = {
             "params": plan.psi,
+            # forward and backward per prediction ([Note: step time model] in traffic.py)
+            "flops_per_prediction": 6 * flop_params,
             "world_size": world,
             "model_state_bytes_per_rank": sum(state.values()),
             "model_state_by_kind": state,
@@ -119,7 +124,12 @@ def estimate(
             timing = Cluster(**{**cluster.__dict__, "peak_flops": peak_flops(cluster, precision)})
             for ac, (one, two) in passes.items():
                 fits = _fit(fig, one, two, micro, device_bytes)
-                fits.update(step_time(plan, sent, timing, one.predictions, k, bool(ac)))
+                dispatch = _dispatch(cfg, model, world, precision, bool(ac))
+                fits.update(
+                    step_time(
+                        plan, sent + dispatch, timing, one.predictions, k, bool(ac), flop_params
+                    )
+                )
                 if ac is None or ac == bool(first.model.activation_checkpointing):
                     fig["activation_checkpointing"] = ac
                     fig.update(fits)
@@ -137,18 +147,40 @@ def _experts(cfg: DictConfig, model, mode: str, world: int, precision: Precision
     (layout.py lays out a rank's experts only)."""
     shape = experts.moe_shape(model)
     e = int(cfg.mode.get("expert_parallel", 1))
-    tokens = cfg.train.batch_size // world * getattr(model, "block_size", 0)
-    passes = 3 if cfg.model.get("activation_checkpointing") else 2
-    element = precision.param_dtype.itemsize
     held = shape.expert_params // (world if mode == "fsdp" else e)
     stepped = shape.expert_params // (e if mode == "ddp" else world)
+    checkpointing = bool(cfg.model.get("activation_checkpointing"))
     return {
         "expert_parallel": e,
         "expert_params": shape.expert_params,
         "expert_params_held_per_rank": held,
         "expert_params_stepped_per_rank": stepped,
-        "all_to_all_bytes_per_step": experts.all_to_all_bytes(shape, e, tokens, element, passes),
+        "all_to_all_bytes_per_step": _all_to_all_bytes(cfg, model, world, precision, checkpointing),
     }
+
+
+def _all_to_all_bytes(
+    cfg: DictConfig, model, world: int, precision: Precision, checkpointing: bool
+) -> float:
+    """What a rank sends in token dispatch AllToAlls per step (experts.all_to_all_bytes):
+    per MoE layer and pass (forward, backward, with activation checkpointing the forward
+    again) the rows out and their results back."""
+    shape = experts.moe_shape(model)
+    e = int(cfg.mode.get("expert_parallel", 1))
+    tokens = cfg.train.batch_size // world * getattr(model, "block_size", 0)
+    element = precision.param_dtype.itemsize
+    return experts.all_to_all_bytes(shape, e, tokens, element, 3 if checkpointing else 2)
+
+
+def _dispatch(cfg: DictConfig, model, world: int, precision: Precision, checkpointing: bool):
+    """Token dispatch for the step time: one exposed entry of the AllToAll bytes over rank
+    0's EP group, ranks 0 .. E-1 (each AllToAll is waited for before the experts run);
+    none without expert parallelism."""
+    e = int(cfg.mode.get("expert_parallel", 1))
+    if model is None or e == 1 or experts.moe_shape(model) is None:
+        return []
+    nbytes = _all_to_all_bytes(cfg, model, world, precision, checkpointing)
+    return [Sent("all_to_all", nbytes, list(range(e)), EXPOSED)]
 
 
 def peak_flops(cluster: Cluster, precision: Precision) -> float:

@@ -149,9 +149,15 @@ def _all_reduce_int8(numel: int, flags: int, group: list[int], block: int) -> li
 
 
 def _across(c: Sent, ranks_per_node: int) -> float:
-    """The bytes of `c` that leave the node ([Note: traffic per rank])."""
+    """The bytes of `c` that leave the node ([Note: traffic per rank]); an AllToAll
+    sends an equal share to each other rank of its group: those off the node cross."""
     nodes = len({g // ranks_per_node for g in c.group})
-    return c.nbytes * nodes / len(c.group) if nodes > 1 else 0.0
+    if nodes == 1:
+        return 0.0
+    if c.op == "all_to_all":
+        near = sum(1 for g in c.group if g // ranks_per_node == c.group[0] // ranks_per_node)
+        return c.nbytes * (len(c.group) - near) / (len(c.group) - 1)
+    return c.nbytes * nodes / len(c.group)
 
 
 def split(sent: list[Sent], ranks_per_node: int) -> dict[str, dict[str, float]]:
@@ -175,7 +181,13 @@ def seconds(c: Sent, cluster: Cluster) -> float:
 # compute: 6Ψ FLOPs per prediction (2Ψ forward, 4Ψ backward; a prediction is a token of a
 # language model, a sample of a classifier: for a CNN, whose weights are applied at every
 # pixel, this undercounts, and the time is a lower bound), at `mfu` x `peak` FLOP/s;
-# activation checkpointing adds a second forward (2Ψ) to every backward.
+# activation checkpointing adds a second forward (2Ψ) to every backward. For an MoE Ψ is
+# the parameters a token's forward multiplies by (experts.active_params): the dense ones
+# and top_k / n_experts of the experts. As in the usual 6Ψ, attention's own FLOPs (QKᵀ
+# and AV: 12·T·C per token and layer) are left out and the embedding tables are counted,
+# though a lookup costs none (tests/test_estimate.py counts both against torch's).
+# With expert parallelism the AllToAlls of token dispatch are exposed: each is waited for
+# before the experts run.
 # communication: a collective takes the longer of its bytes inside the node over the
 # intra-node bandwidth and its bytes across nodes over the inter-node bandwidth (both are
 # per rank: NVLink, the rank's own NIC); collectives of a phase add up.
@@ -195,11 +207,14 @@ def step_time(
     predictions: int,
     micro_batches: int,
     checkpointing: bool,
+    flop_params: int | None = None,
 ) -> dict[str, float]:
-    """Seconds per step ([Note: step time model]); `predictions` per micro-batch."""
+    """Seconds per step ([Note: step time model]); `predictions` per micro-batch,
+    `flop_params` the parameters a prediction's forward multiplies by (default Ψ)."""
     rate = cluster.mfu * cluster.peak_flops
-    fwd = 2 * p.psi * predictions / rate
-    bwd = (4 + (2 if checkpointing else 0)) * p.psi * predictions / rate
+    psi = p.psi if flop_params is None else flop_params
+    fwd = 2 * psi * predictions / rate
+    bwd = (4 + (2 if checkpointing else 0)) * psi * predictions / rate
     comm = defaultdict(float)
     for c in sent:
         comm[c.phase] += seconds(c, cluster)

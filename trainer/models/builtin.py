@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer import comm
 from trainer.errors import ConfigError
-from trainer.parallel.experts import dispatch_combine
+from trainer.parallel.experts import dispatch_combine, expert_counts
 
 GPT_TYPE = "shardtrain_gpt"  # config.json's model_type of our GPT (trainer/models/lm.py reads it)
 GPT_MOE_TYPE = "shardtrain_gpt_moe"  # and of GPT-MoE
@@ -396,7 +396,7 @@ class MoE(nn.Module):
         n = self.experts.num_experts
         y = dispatch_combine(flat, top_idx, top_w, self.experts, n, self.experts.placement)
         with torch.no_grad():
-            self.routed = torch.bincount(top_idx.flatten(), minlength=n)  # (n,)
+            self.routed = expert_counts(top_idx, n)  # (n,)
             routed = self.routed.float() / top_idx.numel()
         aux = n * (routed * probs.mean(dim=0)).sum()  # () fp32
         self.load = routed.detach()  # (n,) this forward's share of rows per expert

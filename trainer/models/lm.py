@@ -4,7 +4,9 @@ can rebuild it without the data or the directory it came from.
 
 A run writes `<run dir>/model/`: `config.json` (Hugging Face's for model=hf; for model=gpt
 our GPT's sizes under `"model_type": "shardtrain_gpt"`) and the data's tokenizer files
-(meta.json, tokenizer.json). An exported directory adds `model.safetensors`.
+(meta.json, tokenizer.json). An exported directory adds `model.safetensors`. The final
+model (trainer/run/final.py) is FINAL_DIR, a from_pretrained directory, for model=hf and
+FINAL_FILE, a state_dict, for the built-in models.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ WEIGHTS = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+FINAL_FILE = "final_model.pt"  # in a run directory: the built-in models' final state_dict
+FINAL_DIR = "final_model"  # and model=hf's final model, as save_pretrained writes it
 
 
 class CausalLM(nn.Module):
@@ -126,6 +130,11 @@ def _local_config(path: str) -> tuple[Any, bool]:
             "directory written by save_pretrained (config.json, weights optional)"
         )
     if not (directory / "config.json").is_file():
+        if (directory / FINAL_DIR / "config.json").is_file():
+            raise ConfigError(
+                f"model.path={path} has no config.json: it is a run directory, whose final "
+                f"model is model.path={Path(path) / FINAL_DIR}"
+            )
         raise ConfigError(f"model.path={path} has no config.json")
     try:
         config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -218,12 +227,14 @@ def load_exported(directory: Path) -> nn.Module:
 
 
 def run_model(path: Path) -> tuple[nn.Module, Path, str]:
-    """The model of a run directory (its newest checkpoint, else final_model.pt) or of one
+    """The model of a run directory (its newest checkpoint, else its final model) or of one
     checkpoint directory, on one process whatever mode and world size saved it: (model in
     eval mode, the run's model/ directory, what was loaded)."""
     from trainer import checkpoint
 
     found, model_dir, source = run_source(path)
+    if found is None and Path(source).is_dir():  # model=hf's FINAL_DIR
+        return hf_causal_lm(source).eval(), model_dir, source
     model = build_from_config(model_dir)
     if found is not None:
         state = checkpoint.consolidate(found)
@@ -235,8 +246,8 @@ def run_model(path: Path) -> tuple[nn.Module, Path, str]:
 
 def run_source(path: Path) -> tuple[Path | None, Path, str]:
     """Where the model of a run directory or of one checkpoint directory is: (the newest
-    checkpoint, or None where only final_model.pt is, the run's model/ directory, what
-    will be read)."""
+    checkpoint, or None where only the final model is, the run's model/ directory, what
+    will be read: that checkpoint, FINAL_FILE or FINAL_DIR)."""
     from omegaconf import OmegaConf
 
     from trainer import checkpoint
@@ -252,8 +263,12 @@ def run_source(path: Path) -> tuple[Path | None, Path, str]:
         if saved.is_file() and OmegaConf.load(saved).get("ckpt", {}).get("dir"):
             ckpt_dir = Path(OmegaConf.load(saved).ckpt.dir)
         found, model_dir = checkpoint.find_checkpoints(ckpt_dir), path / "model"
-        if not found and not (path / "final_model.pt").is_file():
-            raise ConfigError(f"run {path} has no checkpoint (none under {ckpt_dir})")
+        final = [path / n for n in (FINAL_FILE, FINAL_DIR) if (path / n).exists()]
+        if not found and not final:
+            raise ConfigError(
+                f"run {path} has no checkpoint (none under {ckpt_dir}) and no final model "
+                f"({FINAL_FILE} or {FINAL_DIR}/)"
+            )
     if not (model_dir / "config.json").is_file():
         raise ConfigError(
             f"{model_dir / 'config.json'} is missing: the run did not train a language model "
@@ -261,4 +276,4 @@ def run_source(path: Path) -> tuple[Path | None, Path, str]:
         )
     if found:
         return found[0], model_dir, str(found[0])
-    return None, model_dir, str(path / "final_model.pt")
+    return None, model_dir, str(final[0])

@@ -56,7 +56,8 @@ FIELDS = (
 class IntervalMetrics:
     """Sums this rank's figures between two logging points.
 
-    `flops_per_token` (6Ψ: forward 2Ψ, backward 4Ψ per prediction) and `peak_flops` (one
+    `flops_per_token` (6Ψ: forward 2Ψ, backward 4Ψ per prediction; an MoE's Ψ counts the
+    top-k experts of each token only, experts.active_params) and `peak_flops` (one
     device's peak, see `peak_flops`) add model FLOPs utilisation when both are known.
     `clock` times the interval ([Note: timing steps]).
     """

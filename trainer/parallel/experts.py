@@ -18,7 +18,8 @@ layer's EP group only ([Note: expert parallel groups] in comm/groups.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,26 @@ def all_to_all_bytes(shape: MoEShape, e: int, tokens: int, element: int, passes:
     per layer and forward) are left out."""
     rows = tokens * shape.top_k
     return passes * shape.layers * 2 * (e - 1) / e * rows * shape.hidden * element
+
+
+def active_params(model: nn.Module, psi: int) -> int:
+    """Of the model's Ψ = `psi` parameters, those one token's forward multiplies by, for
+    6 x that FLOPs per token (forward and backward): every dense parameter (routers and
+    shared experts included: those run for every token) and top_k / n_experts of the
+    stacked experts, the k a token is routed to. Ψ for a model without experts."""
+    shape = moe_shape(model)
+    if shape is None:
+        return psi
+    return psi - shape.expert_params + shape.expert_params * shape.top_k // shape.n_experts
+
+
+def routes_in_fake_tensors(model: nn.Module) -> bool:
+    """Whether a forward of `model` runs in fake tensors, its MoE layers routing through
+    dispatch_combine ([Note: routing in a pass without values]): GPT-MoE's and models
+    without experts do. transformers' experts do not: their eager forward finds the
+    experts that got rows with `nonzero` (a shape from values), their grouped_mm one
+    takes bf16/fp16 only on a CPU."""
+    return not any(_hf_interface(m) for _, m in expert_modules(model))
 
 
 def _hf_interface(m: nn.Module) -> bool:
@@ -268,6 +289,48 @@ class _AllToAll(torch.autograd.Function):
 # run_local(rows, counts): rows (N, C) grouped by local expert, counts[e] rows each
 RunLocal = Callable[[Tensor, list[int]], Tensor]
 
+# [Note: routing in a pass without values]
+# The estimate (trainer/estimate/activations.py) runs one forward and backward in fake
+# tensors: shapes without values. Routing has values: the split sizes of the experts'
+# rows are read on the host (`counts`), which a fake tensor cannot give. Under
+# `balanced_routing()` dispatch_combine takes, for a layer without placement, the sizes
+# of a balanced routing instead: the T·k rows spread evenly over the experts, what the
+# load-balancing loss steers to. Nothing else changes, and the bytes do not depend on the
+# split: every expert's tensors hold (rows of that expert) x (its widths), so the sum over
+# experts is that of T·k rows whatever the routing (tests/test_estimate.py measures a real
+# pass against it). The counts themselves are taken with `expert_counts`, whose output is
+# (n,) whatever the ids (torch.bincount's shape depends on the largest id: no fake tensor
+# can hold it). Under expert parallelism a rank's experts receive T·k rows when routing is
+# balanced, the same bytes; the AllToAll buffers in flight and an unbalanced routing (a
+# rank receiving more than its share) come on top.
+_balanced = False
+
+
+@contextmanager
+def balanced_routing() -> Iterator[None]:
+    """Inside: split sizes of a balanced routing ([Note: routing in a pass without values])."""
+    global _balanced
+    before, _balanced = _balanced, True
+    try:
+        yield
+    finally:
+        _balanced = before
+
+
+def expert_counts(ids: Tensor, n: int) -> Tensor:
+    """Rows per expert (n,) of the expert ids `ids`: torch.bincount(ids, minlength=n),
+    by an op whose output shape does not depend on the values ([Note: routing in a pass
+    without values])."""
+    flat = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
+def _balanced_sizes(rows: int, n: int) -> list[int]:
+    """`rows` spread over `n` experts as evenly as whole numbers allow."""
+    return [rows // n + (1 if e < rows % n else 0) for e in range(n)]
+
 
 def dispatch_combine(
     x: Tensor, top_idx: Tensor, top_w: Tensor, run_local: RunLocal, n_experts: int,
@@ -283,9 +346,11 @@ def dispatch_combine(
     flat = top_idx.reshape(-1)  # (T*k,)
     order = torch.argsort(flat, stable=True)  # (T*k,) rows grouped by expert
     token = order // k  # (T*k,) the token each row belongs to
-    counts = torch.bincount(flat, minlength=n_experts)  # (n_experts,)
+    counts = expert_counts(flat, n_experts)  # (n_experts,)
     rows = x[token]  # (T*k, C)
-    if placement is None:
+    if placement is None and _balanced:  # [Note: routing in a pass without values]
+        out = run_local(rows, _balanced_sizes(t * k, n_experts))
+    elif placement is None:
         out = run_local(rows, host.tolist(counts, "expert split sizes"))
     else:
         out = _exchange(rows, counts, run_local, placement)  # (T*k, C)

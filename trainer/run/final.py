@@ -1,10 +1,12 @@
-"""The run's final model (train.save_final): `final_model.pt`, and for model=hf also
-`final_model/`, a directory `AutoModelForCausalLM.from_pretrained` loads (what
-scripts/export_hf.py makes of a run, so that it is needed only for older runs).
+"""The run's final model (train.save_final), written once, in the form its model family
+loads: for model=hf `final_model/`, a directory `AutoModelForCausalLM.from_pretrained`
+loads with no code of ours (what scripts/export_hf.py makes of a checkpoint); for the
+built-in models `final_model.pt`, their full state_dict for `torch.load(weights_only=True)`
+and `load_state_dict` (what scripts/consolidate.py makes of a checkpoint).
 
-Both are written by rank 0 alone from the state gathered to it one group at a time
+It is written by rank 0 alone from the state gathered to it one group at a time
 ([Note: gathering to rank 0] in trainer/parallel/pieces.py); the other ranks only send
-their slices. Each appears whole under its final name or not at all.
+their slices. It appears whole under its final name or not at all.
 """
 
 from __future__ import annotations
@@ -15,26 +17,33 @@ import uuid
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from trainer import checkpoint
 from trainer.errors import TrainingError
-from trainer.models.lm import CausalLM
+from trainer.models.lm import FINAL_DIR, FINAL_FILE, CausalLM
 
-HF_DIR = "final_model"  # beside final_model.pt
 MAX_SHARD_SIZE = "5GB"  # as scripts/export_hf.py: larger weights are split into shards
 
 
+def final_model_path(run_dir: Path, module: nn.Module | None) -> Path:
+    """Where the final model of `module` goes in `run_dir`: FINAL_DIR for a Hugging Face
+    model, FINAL_FILE for the others."""
+    return run_dir / (FINAL_DIR if isinstance(module, CausalLM) else FINAL_FILE)
+
+
 def save_final_model(engine, path: Path, is_rank0: bool, model_dir: Path | None = None) -> None:
-    """The full model state_dict at `path`, loadable with plain
-    torch.load(weights_only=True); for a Hugging Face model also the directory HF_DIR
-    beside it, with `model_dir`'s tokenizer files. A collective: every rank calls it."""
+    """The full model at `path`: for a Hugging Face model a from_pretrained directory with
+    `model_dir`'s tokenizer files, else a state_dict file that torch.load(weights_only=True)
+    reads. A collective: every rank calls it."""
     state = engine.full_state_dict(rank0_only=True)  # {} on the other ranks
     if not is_rank0:
         return
-    checkpoint.write_file(path, state)  # never a half-written file under the final name
     module = getattr(engine, "module", None)
     if isinstance(module, CausalLM):
-        write_hf_dir(module, state, path.with_name(HF_DIR), model_dir)
+        write_hf_dir(module, state, path, model_dir)
+    else:
+        checkpoint.write_file(path, state)  # never a half-written file under the final name
 
 
 def write_hf_dir(

@@ -35,11 +35,11 @@ from trainer.models.weights import Pretrained
 from trainer.observe import heap
 from trainer.observe.memory import MemoryMonitor, count_params
 from trainer.observe.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
-from trainer.parallel import build_engine
+from trainer.parallel import build_engine, experts
 from trainer.parallel.engine import Engine
 from trainer.run import dist as tdist
 from trainer.run import preempt, rundir
-from trainer.run.final import save_final_model
+from trainer.run.final import final_model_path, save_final_model
 from trainer.run.fit import check_fit
 from trainer.run.guard import Guard
 from trainer.run.optim import lr_scheduler, optimizer_factory, param_options
@@ -196,6 +196,8 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         init = SeededInit(cfg.seed)
         source = init if weights is None else Pretrained(weights, init=init)
     psi = count_params(model)  # before fsdp takes the parameters apart
+    # and before expert parallelism keeps n/E experts: 6 x this FLOPs per prediction
+    flop_params = experts.active_params(model, psi)
     if not cfg.train.meta_build:  # a meta model runs its first forward in the engine below
         check_fit(model, dataset, *names)
     if env.is_rank0:  # what scripts/sample.py and export_hf.py rebuild the model from
@@ -244,7 +246,8 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     metrics = IntervalMetrics(
         env.device,
         memory=MemoryMonitor(engine, psi, cfg.train.peak_every),
-        flops_per_token=6 * psi,  # forward 2Ψ + backward 4Ψ per prediction
+        # forward 2Ψ + backward 4Ψ per prediction, Ψ of an MoE its top-k experts' only
+        flops_per_token=6 * flop_params,
         peak_flops=peak_flops(env.device, engine.precision.param_dtype),  # None on CPU
     )
     bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
@@ -425,7 +428,8 @@ def finish(run: Run) -> dict[str, Any]:
         **run.last_eval,
     }
     if cfg.train.save_final:
-        save_final_model(engine, run_dir / "final_model.pt", env.is_rank0, run_dir / "model")
+        path = final_model_path(run_dir, engine.module)
+        save_final_model(engine, path, env.is_rank0, run_dir / "model")
     run.writer.final(final)
     run.writer.close()
     run.owner.release()
