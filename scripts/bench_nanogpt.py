@@ -19,6 +19,7 @@ Runs, each a fresh process timed from start to exit (start-up included):
     nanogpt        nanoGPT's train.py, one process, `--threads` torch threads
     ours_p1        `python train.py`, one process, `--threads` threads
     ours_p<N>_<mode>   `torchrun --nproc-per-node=N train.py mode=<mode>`, each rank
+                   (`<mode>+int8`: with mode.reduce_dtype and mode.gather_dtype int8)
                    `--threads / N` threads (torchrun's own default is 1)
 Rounds and columns: [Note: rounds and columns] beside rows.
 """
@@ -82,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per run")
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the torchrun contenders")
-    ap.add_argument("--modes", default="ddp,zero", help="modes at --nproc ranks")
+    ap.add_argument(
+        "--modes", default="ddp,zero", help="modes at --nproc ranks; fsdp+int8: int8 both ways"
+    )
     ap.add_argument("--contenders", help="a subset, e.g. nanogpt,ours_p1")
     ap.add_argument(
         "--seeds", default="0", help="seeds, one per round in turn (e.g. 0,1,2,3 with --rounds 4)"
@@ -179,7 +182,9 @@ def command(name: str, args: argparse.Namespace, data: Path, run_dir: Path, seed
     if name == "ours_p1":
         argv = [sys.executable, str(ROOT / "train.py"), *recipe]
         return argv, ROOT, {**env, "OMP_NUM_THREADS": str(args.threads)}
-    mode = name.split("_", 2)[2]
+    mode, _, wire = name.split("_", 2)[2].partition("+")  # fsdp+int8: int8 on the wire
+    if wire:
+        recipe += [f"mode.reduce_dtype={wire}"] + ([f"mode.gather_dtype={wire}"] * (mode != "ddp"))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     argv += [f"--nproc-per-node={args.nproc}", str(ROOT / "train.py"), f"mode={mode}", *recipe]
     threads = max(1, args.threads // args.nproc)
