@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from trainer import checkpoint, comm
+from trainer.checkpoint import faults
 from trainer.config.checks import engine_options, validate
 from trainer.data.datasets import make_eval_loader, make_loader
 from trainer.data.text import codec_from_meta
@@ -58,6 +59,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Check the config before joining the group: every rank then fails alike, and none
     # leaves a peer stuck in the group's set-up.
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    faults.check(int(os.environ.get("WORLD_SIZE", 1)))  # [Note: fault injection]
     heap.keep_freed_pages()  # a step reuses the last one's pages: [Note: keeping freed pages]
     env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
