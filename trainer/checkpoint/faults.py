@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import threading
 import time
 import zipfile
 from functools import cache
@@ -26,7 +27,8 @@ from trainer.errors import ConfigError
 # SHARDTRAIN_FAULT="RANK:STEP:ACTION[,RANK:STEP:ACTION...]" names the faults of a run; each
 # entry fires on rank RANK at step STEP. ACTION is one of:
 #   kill          SIGKILL after that step
-#   hang          stop answering after that step (the peers time out: dist.timeout_s)
+#   hang          stop answering after that step (the peers time out: dist.timeout_s; a
+#                 SIGTERM ends it)
 #   term          SIGTERM after that step, as a preemption: the run stops at its next check
 #                 step with a checkpoint ([Note: stopping on SIGTERM])
 #   corrupt       after that step, flip a byte of this rank's part of the newest complete
@@ -137,6 +139,12 @@ def _claim(entry: Entry) -> bool:
 def _fire(entry: Entry, spec: str, path: Path | None) -> None:
     action = entry.action
     if action == "hang":
+        # Stalled: the peers time out (dist.timeout_s) and end; the SIGTERM with which
+        # torchrun then stops the group ends this rank too, as it would end one stuck in
+        # a collective of the torn-down group (preempt's flag-only handler would keep it
+        # waiting out torchrun's 30 s before a SIGKILL).
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             time.sleep(60)
     if action == "term":

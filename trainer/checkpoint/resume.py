@@ -46,10 +46,11 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
     load for another reason is skipped, with a warning naming it. None left: one line says
     so and the run starts from step 0. resume=PATH: that checkpoint, or an error.
     resume=null: start afresh into a ckpt.dir without checkpoints, except in a group
-    torchrun has restarted (TORCHELASTIC_RESTART_COUNT > 0), which resumes as with auto. Values given on the command line win over the
-    checkpoint's (optimizer hyperparameters, schedule, steps, train.grad_accum_steps); one
-    line names those that differ. A changed seed, dataset or train.batch_size is refused,
-    and so are other tokens ([Note: what the data is] in trainer/data/tokens.py).
+    torchrun has restarted (TORCHELASTIC_RESTART_COUNT > 0), which resumes as with auto.
+    Values given on the command line win over the checkpoint's (optimizer hyperparameters,
+    schedule, steps, train.grad_accum_steps); one line names those that differ. A changed
+    seed, dataset or train.batch_size is refused, and so are other tokens ([Note: what
+    the data is] in trainer/data/tokens.py).
     """
     check_config(cfg)
     choice = cfg.get("resume")
