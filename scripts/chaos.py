@@ -51,30 +51,38 @@ ARGS = [
 ]
 
 
-def draw_step(rng: random.Random, action: str) -> int:
-    """A step at which `action` fires (on a pass that reaches it)."""
+def allowed_steps(action: str) -> list[int]:
+    """The steps at which `action` fires and makes the group restart."""
     saves = list(range(EVERY, STEPS + 1, EVERY))
     if action in ("kill_in_save", "fail_in_save"):
-        return rng.choice(saves)
+        return saves
     if action == "kill_in_prune":  # a save that has KEEP older ones to prune
-        return rng.choice([s for s in saves if s > KEEP * EVERY])
-    if action == "corrupt":  # a checkpoint exists to corrupt
-        return rng.randint(EVERY + 1, STEPS - 1)
-    return rng.randint(1, STEPS - 1)  # kill, hang, term: a fault before the end
+        return [s for s in saves if s > KEEP * EVERY]
+    if action == "corrupt":  # after the first checkpoint, so that there is one to corrupt
+        return list(range(EVERY + 1, STEPS))
+    if action == "term":  # it stops at the next check step: one before the last
+        return list(range(1, STEPS - 2))
+    return list(range(1, STEPS))  # kill, hang
 
 
 def schedules(seed: int, faults: int, runs: int, worlds: list[int]) -> list[list[str]]:
-    """`faults` entries dealt over `runs` runs; every kind equally often (a shuffled deck)."""
+    """`faults` entries dealt over `runs` runs, every kind equally often (a shuffled deck),
+    at most one per step of a run: two at one step would fire in one group (the first
+    kill takes the other's effect with it) or never (a save not written again)."""
     rng = random.Random(seed)
     kinds = list(POINTS)
     deck = (kinds * (faults // len(kinds) + 1))[:faults]
     rng.shuffle(deck)
     out: list[list[str]] = [[] for _ in range(runs)]
+    used: list[set[int]] = [set() for _ in range(runs)]
     for i, action in enumerate(deck):
         run = i % runs
-        world = worlds[run % len(worlds)]
+        world = worlds[run]
         rank = 0 if action == "kill_in_prune" else rng.randrange(world)
-        out[run].append(f"{rank}:{draw_step(rng, action)}:{action}")
+        free = [s for s in allowed_steps(action) if s not in used[run]] or allowed_steps(action)
+        step = rng.choice(free)
+        used[run].add(step)
+        out[run].append(f"{rank}:{step}:{action}")
     return [sorted(s, key=lambda e: int(e.split(":")[1])) for s in out]
 
 
