@@ -134,7 +134,8 @@ def same_end(run_dir: Path, clean_dir: Path) -> tuple[bool, bool]:
     states = [
         torch.load(d / last / "meta.pt", weights_only=True)["state"] for d in (run_dir, clean_dir)
     ]
-    tokens = metrics[0]["train/tokens_seen"] == metrics[1]["train/tokens_seen"]
+    seen = [m.get("train/tokens_seen") for m in metrics]
+    tokens = seen[0] is not None and seen[0] == seen[1]
     return model, tokens and states[0] == states[1]
 
 

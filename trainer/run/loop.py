@@ -254,6 +254,10 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         cfg, env, run_dir, owner, engine, scheduler, batches, eval_loader, writer, metrics,
         bar, resumable, lr, Guard(env.device), Every.of(cfg),
     )  # fmt: skip
+    # As a step counts it, known before one runs: a run resumed at its last step (killed
+    # between its last save and its end) runs none, and still reports its tokens seen.
+    target = torch.as_tensor(dataset[0][1])  # a class label may be a plain int
+    run.tokens_per_step = target.numel() * cfg.train.batch_size if target.dim() > 0 else 0
     if getattr(model, "model_config", None) is not None:  # a language model: sampled
         model_dir = run_dir / "model"
         codec = codec_from_meta(read_meta(model_dir), model_dir) if env.is_rank0 else None
@@ -407,6 +411,8 @@ def write_sample(run: Run, step: int) -> None:
 def finish(run: Run) -> dict[str, Any]:
     """The final model and summary; returns the summary."""
     cfg, env, engine, run_dir, last = run.cfg, run.env, run.engine, run.run_dir, run.last
+    if run.tokens_per_step and "train/tokens_seen" not in last:  # no step ran here
+        last = {**last, "train/tokens_seen": float(cfg.train.steps * run.tokens_per_step)}
     run.bar.close()
     final = {
         "step": cfg.train.steps,
