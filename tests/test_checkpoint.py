@@ -322,13 +322,23 @@ def test_bad_checkpoints_are_named_and_left_alone(saved, tmp_path):
     assert all("\n" not in e for e in errors.values())
     assert unchanged, "a failed load changed the engine"
     assert resumed == 4
-    # resume=auto took the directory over: it names the lineage it continues, nothing else
+    # resume=auto took the directory over: it names the lineage it continues, and it set
+    # the damaged step_000005 aside under another name, whole; nothing else changed
+    [aside] = auto.glob("step_000005.damaged-*")
     after = _snapshot(tmp_path), _snapshot(zero)
     assert (auto / "lineage").read_text() == json.loads(
         (auto / "step_000004" / "COMPLETE").read_text()
     )["run"]
     for snap in (before[0], after[0]):
         snap.pop("auto"), snap.pop("auto/lineage", None)
+    renamed = f"auto/{aside.name}"
+    after[0].update(
+        {
+            k.replace(renamed, "auto/step_000005"): after[0].pop(k)
+            for k in list(after[0])
+            if k.startswith(renamed)
+        }
+    )
     assert after == before, "a load touched the disk"
 
 
@@ -361,11 +371,16 @@ def _torchrun(args: list[str], env: dict[str, str], restarts: int = 0, timeout: 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+def uninterrupted_dir(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     proc = _torchrun([*CLI_ARGS, f"hydra.run.dir={run_dir}"], {})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(run_dir / "final_model.pt", weights_only=True)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_dir) -> dict[str, torch.Tensor]:
+    return torch.load(uninterrupted_dir / "final_model.pt", weights_only=True)
 
 
 @pytest.mark.slow
@@ -410,3 +425,118 @@ def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     # torchrun's own failure summary quotes that line (the worker's error file)
     assert f"traceback : {errors[0]}" in proc.stderr
     assert elapsed < 120, f"took {elapsed:.0f} s"
+
+
+# ---------------------------------------------------------------------------------------
+# Many faults in one run: a schedule fired one entry at a time under torchrun --max-restarts
+
+# A GPT of two blocks (fsdp: several units) on in-memory tokens, saved every 2 of 12 steps.
+GPT_ARGS = [
+    "model=gpt",
+    "data=tokens",
+    "model.n_embd=16",
+    "model.block_size=8",
+    "data.dataset.block_size=8",
+    "data.dataset.n=256",
+    "train.batch_size=8",
+    "train.steps=12",
+    "train.log_every=4",
+    "train.eval_every=0",
+    "ckpt.every=2",
+    "dist.timeout_s=60",
+]
+
+
+def _schedule_run(tmp_path: Path, args: list[str], schedule: list[str]):
+    """`args` under torchrun with the faults of `schedule` (each once; one restart each):
+    (run directory, stdout and stderr). Every entry must have fired."""
+    run_dir, fired = tmp_path / "run", tmp_path / "fired"
+    faults = {"SHARDTRAIN_FAULT": ",".join(schedule), "SHARDTRAIN_FAULT_ONCE": str(fired)}
+    proc = _torchrun([*args, f"hydra.run.dir={run_dir}"], faults, restarts=len(schedule))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = sorted(f"{i}-{e.replace(':', '-')}" for i, e in enumerate(schedule))
+    assert sorted(p.name for p in fired.iterdir()) == want, "a fault never fired"
+    return run_dir, proc.stdout + proc.stderr
+
+
+def _same_end(run_dir: Path, clean_dir: Path, step: int) -> None:
+    """The final model bitwise the uninterrupted run's; the last checkpoint's data files
+    (parameters and optimizer state) bitwise too, and its data position (the sampler: how
+    many batches were consumed) and tokens seen the same."""
+    got = torch.load(run_dir / "final_model.pt", weights_only=True)
+    want = torch.load(clean_dir / "final_model.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    for k in got:
+        assert torch.equal(got[k], want[k]), k
+    last = f"checkpoints/step_{step:06d}"
+    meta = [torch.load(d / last / "meta.pt", weights_only=True) for d in (run_dir, clean_dir)]
+    assert meta[0]["state"] == meta[1]["state"] and meta[0]["state"]["sampler"]
+    for r in (0, 1):
+        bins = [(d / last / f"rank{r}.bin").read_bytes() for d in (run_dir, clean_dir)]
+        assert bins[0] == bins[1], f"rank{r}.bin"
+    metrics = [json.loads((d / "final_metrics.json").read_text()) for d in (run_dir, clean_dir)]
+    assert metrics[0].get("train/tokens_seen") == metrics[1].get("train/tokens_seen")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_gpt(tmp_path_factory):
+    cache = {}
+
+    def get(mode: str) -> Path:
+        if mode not in cache:
+            run_dir = tmp_path_factory.mktemp(f"uninterrupted_{mode}")
+            proc = _torchrun([*GPT_ARGS, f"mode={mode}", f"hydra.run.dir={run_dir}"], {})
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[mode] = run_dir
+        return cache[mode]
+
+    return get
+
+
+@pytest.mark.slow
+def test_six_faults_of_six_kinds_in_one_fsdp_run_end_bitwise(uninterrupted_gpt, tmp_path):
+    schedule = [
+        "1:3:kill",  # resumes from 2
+        "0:4:kill_in_save",  # step 4 never complete: from 2 again
+        "1:6:fail_in_save",  # a broken disk on rank 1: from 4
+        "0:8:kill_in_prune",  # step 8 complete, step 4 half removed: from 8
+        "1:9:term",  # a preemption: stops at step 10 with a checkpoint, resumes from it
+        "0:11:corrupt",  # a flipped byte in step 10: set aside, from 8
+    ]
+    run_dir, out = _schedule_run(tmp_path, [*GPT_ARGS, "mode=fsdp"], schedule)
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "resumed from" in line]
+    assert resumed == [2, 2, 4, 8, 10, 8], out[-3000:]
+    assert "stopped by SIGTERM at step 10" in out
+    ckpts = run_dir / "checkpoints"
+    [aside] = ckpts.glob("step_000010.damaged-*")
+    assert f"is damaged ({ckpts / 'step_000010' / 'rank0.bin'} is corrupted" in out
+    assert f"set aside as {aside}; trying an older one" in out
+    names = sorted(p.name for p in ckpts.glob("step_*"))
+    assert names == sorted([aside.name, "step_000010", "step_000012"])
+    _same_end(run_dir, uninterrupted_gpt("fsdp"), 12)
+
+
+@pytest.mark.slow
+def test_fault_schedule_in_ddp_starts_over_when_its_only_checkpoint_is_damaged(
+    uninterrupted_gpt, tmp_path
+):
+    # ddp rank 1 writes no data file: its index (its RNG states) is what gets corrupted.
+    schedule = ["1:3:corrupt", "0:6:kill_in_save"]
+    run_dir, out = _schedule_run(tmp_path, [*GPT_ARGS, "mode=ddp"], schedule)
+    ckpts = run_dir / "checkpoints"
+    assert f"is damaged ({ckpts / 'step_000002' / 'rank1.pt'} is corrupted" in out
+    assert "starting from step 0 (1 damaged one(s) set aside, none older)" in out
+    assert "resumed from" in out and out.count("resumed from") == 1  # from 4, after step 6
+    assert len(list(ckpts.glob("step_000002.damaged-*"))) == 1
+    _same_end(run_dir, uninterrupted_gpt("ddp"), 12)
+
+
+@pytest.mark.slow
+def test_fault_schedule_with_async_saves_in_zero_ends_bitwise(uninterrupted_dir, tmp_path):
+    # The writer thread is killed halfway through step 4's data file, then fails on step 6:
+    # each time the uncommitted save is passed over and the one before it taken.
+    schedule = ["0:4:kill_in_save", "1:6:fail_in_save"]
+    run_dir, out = _schedule_run(tmp_path, [*CLI_ARGS, "ckpt.async=true"], schedule)
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "resumed from" in line]
+    assert resumed == [2, 4], out[-3000:]
+    _same_end(run_dir, uninterrupted_dir, 8)  # the uninterrupted run saved synchronously

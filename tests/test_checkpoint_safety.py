@@ -263,3 +263,57 @@ def test_a_repeated_warning_is_printed_once(capsys, monkeypatch):
         "warning: skipping checkpoint a: truncated",
         "warning: skipping checkpoint b: truncated",
     ]
+
+
+# ---------------------------------------------------------------------------------------
+# Item: a schedule of faults ([Note: fault injection]): each entry once, bad ones named
+
+
+def test_a_fault_schedule_fires_each_entry_once_in_order_of_reaching_it(tmp_path, monkeypatch):
+    from trainer.checkpoint import faults
+
+    monkeypatch.setattr(faults.comm, "rank", lambda: 1)
+    monkeypatch.setenv(faults.FAULT_ENV, "1:2:fail_in_save,0:2:fail_in_save,1:4:fail_in_save")
+    once = tmp_path / "fired"
+    monkeypatch.setenv(faults.FAULT_ONCE_ENV, str(once))
+
+    def fires(where: str, step: int) -> bool:
+        try:
+            faults.fault(where, step)
+        except OSError:
+            return True
+        return False
+
+    assert not fires("step", 2)  # another point of the same step
+    assert fires("save", 2) and not fires("save", 2)  # once: a restarted group passes it
+    assert not fires("save", 3) and fires("save", 4) and not fires("save", 4)
+    assert sorted(p.name for p in once.iterdir()) == ["0-1-2-fail_in_save", "2-1-4-fail_in_save"]
+    # Without SHARDTRAIN_FAULT_ONCE an entry fires every time; with the older form (a file
+    # that exists: fired already) nothing does.
+    monkeypatch.delenv(faults.FAULT_ONCE_ENV)
+    assert fires("save", 2) and fires("save", 2)
+    (tmp_path / "marker").touch()
+    monkeypatch.setenv(faults.FAULT_ONCE_ENV, str(tmp_path / "marker"))
+    assert not fires("save", 4)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("1:5", "entry '1:5' is not RANK:STEP:ACTION with RANK >= 0, STEP >= 1 and ACTION one of"),
+        ("1:5:kill,1:five:kill", "entry '1:five:kill' is not RANK:STEP:ACTION"),
+        ("1:0:kill", "entry '1:0:kill' is not RANK:STEP:ACTION"),
+        ("0:3:explode", "kill, hang, term, corrupt, kill_in_save, fail_in_save, kill_in_prune"),
+        ("1:4:kill_in_prune", "can never fire: rank 0 alone prunes checkpoints"),
+        ("0:2:kill,2:3:term", "entry 2:3:term names rank 2, but this run has ranks 0..1"),
+    ],
+)
+def test_a_bad_fault_schedule_is_refused_in_one_line(monkeypatch, spec, message):
+    from trainer.checkpoint import faults
+    from trainer.errors import ConfigError
+
+    monkeypatch.setenv(faults.FAULT_ENV, spec)
+    with pytest.raises(ConfigError) as e:
+        faults.check(world_size=2)
+    assert str(e.value).startswith(f"SHARDTRAIN_FAULT={spec!r}: ") and message in str(e.value)
+    assert "\n" not in str(e.value)

@@ -10,6 +10,11 @@ class NotResumable(ConfigError):
     not skipped for an older checkpoint (which would have the same values)."""
 
 
+class Damaged(ConfigError):
+    """A checkpoint file is missing, truncated or fails its checksum: the checkpoint can
+    never load. resume=auto sets such a checkpoint aside and takes the one before it."""
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message names the step."""
 

@@ -16,7 +16,8 @@ consolidate into one state_dict. What they give a user: docs/checkpoints.md.
   export.py     that model as safetensors, one tensor at a time [Note: streamed export]
   rng.py        each rank's RNG states
   agree.py      what every rank must learn alike (errors, rank 0's decisions)
-  faults.py     kills and hangs at chosen points, for tests [Note: fault injection]
+  faults.py     a schedule of faults at chosen points, for tests and scripts/chaos.py
+                [Note: fault injection]
 """
 
 from trainer.checkpoint.background import check as check_save

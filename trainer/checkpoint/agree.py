@@ -26,8 +26,9 @@ def agree(fn, *args: Any) -> Any:
     return out[0]
 
 
-def first_error(error: str | None, device: torch.device) -> str | None:
-    """Every rank learns the lowest failing rank's error, or None when all succeeded."""
+def first_error(error: Any, device: torch.device) -> Any:
+    """Every rank learns the lowest failing rank's error (any picklable value, a line
+    mostly), or None when all succeeded."""
     failed = torch.zeros(comm.world_size(), device=device)
     if error is not None:
         failed[comm.rank()] = 1

@@ -38,7 +38,7 @@ import torch
 from omegaconf import DictConfig
 
 from trainer.checkpoint import agree, stream
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import ConfigError, Damaged, TrainingError
 
 FORMAT = 3  # 2: optimizer step counters per parameter name; 3: data streamed to rank*.bin
 
@@ -218,19 +218,19 @@ def read_rank(path: Path, rank: int, meta: dict[str, Any]) -> dict[str, Any]:
 
 def read(file: Path) -> dict[str, Any]:
     if not file.is_file():
-        raise ConfigError(f"{file} is missing: the checkpoint is incomplete")
+        raise Damaged(f"{file} is missing: the checkpoint is incomplete")
     try:
         data = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "weights only load failed" not in str(e).lower():
-            raise ConfigError(f"{file} is truncated or corrupted: {agree.line(e)}") from None
+            raise Damaged(f"{file} is truncated or corrupted: {agree.line(e)}") from None
         # torch's message suggests weights_only=False, which would run that code.
         raise ConfigError(
             f"{file} holds objects other than tensors and plain values; it was not loaded, "
             "for safety (unpickling it could run code)"
         ) from None
     except Exception as e:
-        raise ConfigError(f"{file} is truncated or corrupted: {agree.line(e)}") from None
+        raise Damaged(f"{file} is truncated or corrupted: {agree.line(e)}") from None
     if not isinstance(data, dict) or "checksum" not in data or "format" not in data:
         raise ConfigError(f"{file} is not a checkpoint file of this trainer (format {FORMAT})")
     if data["format"] != FORMAT:
@@ -240,7 +240,7 @@ def read(file: Path) -> dict[str, Any]:
         )
     stored = data.pop("checksum")
     if checksum(data) != stored:
-        raise ConfigError(f"{file} is corrupted: its contents do not match their checksum")
+        raise Damaged(f"{file} is corrupted: its contents do not match their checksum")
     return data
 
 

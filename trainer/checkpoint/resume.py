@@ -24,7 +24,7 @@ from trainer import comm
 from trainer.checkpoint import agree, files
 from trainer.checkpoint.recutting import prepare
 from trainer.checkpoint.rng import set_rng_state
-from trainer.errors import ConfigError, NotResumable
+from trainer.errors import ConfigError, Damaged, NotResumable
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -41,14 +41,16 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
     """Load the checkpoint `resume` names and return its step, or 0 to start afresh.
 
     resume=auto: the newest complete checkpoint of this directory's lineage under
-    ckpt.dir that loads (a newer one that does not is skipped, with a warning naming the
-    file); none: one line says so and the run starts from step 0. resume=PATH: that
-    checkpoint, or an error. resume=null: start afresh into a ckpt.dir without
-    checkpoints, except in a group torchrun has restarted (TORCHELASTIC_RESTART_COUNT >
-    0), which resumes as with auto. Values given on the command line win over the
-    checkpoint's (optimizer hyperparameters, schedule, steps, train.grad_accum_steps); one
-    line names those that differ. A changed seed, dataset or train.batch_size is refused,
-    and so are other tokens ([Note: what the data is] in trainer/data/tokens.py).
+    ckpt.dir that loads. A newer one with a missing, truncated or corrupted file is set
+    aside (renamed to `step_N.damaged-<id>`, one line naming the file); one that does not
+    load for another reason is skipped, with a warning naming it. None left: one line says
+    so and the run starts from step 0. resume=PATH: that checkpoint, or an error.
+    resume=null: start afresh into a ckpt.dir without checkpoints, except in a group
+    torchrun has restarted (TORCHELASTIC_RESTART_COUNT > 0), which resumes as with auto.
+    Values given on the command line win over the checkpoint's (optimizer hyperparameters,
+    schedule, steps, train.grad_accum_steps); one line names those that differ. A changed
+    seed, dataset or train.batch_size is refused, and so are other tokens ([Note: what
+    the data is] in trainer/data/tokens.py).
     """
     check_config(cfg)
     choice = cfg.get("resume")
@@ -68,9 +70,16 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
         return int(meta["step"])
     # Every rank tries the same candidates in the same order.
     found: list[Any] = agree.agree(_candidates, directory)
+    damaged = 0
     for i, path in enumerate(found):
         try:
             meta = _load(path, engine, cfg, **stateful)
+        except Damaged as e:  # it can never load: out of the way, never deleted
+            aside = agree.agree(_set_aside, path)
+            where = f"set aside as {aside}" if aside else "left in place (it cannot be renamed)"
+            agree.say(f"warning: checkpoint {path} is damaged ({e}); {where}; trying an older one")
+            damaged += 1
+            continue
         except ConfigError as e:
             if i == len(found) - 1 or isinstance(e, NotResumable):
                 raise
@@ -82,7 +91,9 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
         return int(meta["step"])
     agree.agree(_claim, directory, None)
     hint = "is ckpt.dir right?"
-    if restarted:
+    if damaged:
+        hint = f"{damaged} damaged one(s) set aside, none older"
+    elif restarted:
         hint = "restarted: give a fixed hydra.run.dir or ckpt.dir so that a restart finds them"
     agree.say(
         f"warning: resume=auto found no checkpoint under {directory}; starting from step 0 ({hint})"
@@ -100,6 +111,19 @@ def _candidates(directory: Path) -> list[Path]:
         if p not in ours:
             agree.say(f"warning: skipping checkpoint {p}: it belongs to another run than {lineage}")
     return ours
+
+
+def _set_aside(path: Path) -> str | None:
+    """Rename damaged checkpoint `path` out of the checkpoint names (to
+    `step_000120.damaged-<id>`, which no save prunes); its new name, or None when it
+    cannot be renamed (read-only: then it is skipped alone, as before). Rank 0 alone."""
+    aside = path.with_name(f"{path.name}.damaged-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, aside)
+        files.fsync_dir(path.parent)
+    except OSError:
+        return None
+    return str(aside)
 
 
 def _claim(directory: Path, lineage: str | None) -> str:
@@ -221,13 +245,14 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
     try:
         prepared = prepare(path, engine)
     except ConfigError as e:
-        error = str(e)
+        error = (str(e), isinstance(e, Damaged))
     except Exception as e:  # reading must fail alike on every rank, not leave one behind
-        error = f"checkpoint {path} cannot be loaded: {type(e).__name__}: {agree.line(e)}"
+        error = (f"checkpoint {path} cannot be loaded: {type(e).__name__}: {agree.line(e)}", False)
     with comm.unaccounted():
         error = agree.first_error(error, agree.device_of(engine))
     if error is not None:
-        raise ConfigError(error)
+        message, damaged = error
+        raise (Damaged if damaged else ConfigError)(message)
     meta, load_into, rng = prepared
     refuse_changes(cfg, path, meta)  # every rank alike: the same files and config
     mine = _hparams(engine.optimizer)  # the values this run was built with

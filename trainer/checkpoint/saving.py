@@ -42,7 +42,8 @@ def maybe_save(
     saved through their state_dict(). With `ckpt.async` the save is written in the
     background ([Note: async save]), except at the last step and a stop, which wait for
     it: nothing is left to overlap."""
-    faults.fault("step", step)
+    if faults.armed():  # [Note: fault injection]; `corrupt` needs the directory
+        faults.fault("step", step, files.checkpoint_dir(cfg, run_dir))
     every, last = cfg.ckpt.every, cfg.train.steps
     if not force and step != last and not (every and step % every == 0):
         return None

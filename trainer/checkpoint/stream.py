@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import ConfigError, Damaged, TrainingError
 
 BLOCK = 1 << 20  # bytes per CRC32
 ALIGN = 64  # entries start at multiples of this: no element straddles two blocks
@@ -211,10 +211,10 @@ class DataFile:
     def __init__(self, path: Path, index: dict[str, Any]) -> None:
         self.path, self.index = Path(path), index
         if not self.path.is_file():
-            raise ConfigError(f"{self.path} is missing: the checkpoint is incomplete")
+            raise Damaged(f"{self.path} is missing: the checkpoint is incomplete")
         size = self.path.stat().st_size
         if size != index["size"]:
-            raise ConfigError(
+            raise Damaged(
                 f"{self.path} is truncated or corrupted: {size} bytes, its index says "
                 f"{index['size']}"
             )
@@ -257,10 +257,10 @@ class DataFile:
             self.file = open(self.path, "rb")  # noqa: SIM115 (closed by close())
         self.file.seek(lo)
         if self.file.readinto(view) != n:
-            raise ConfigError(f"{self.path} is truncated: it ends before byte {lo + n}")
+            raise Damaged(f"{self.path} is truncated: it ends before byte {lo + n}")
         if zlib.crc32(view) != self.crcs[blk]:
             self.cached = -1
-            raise ConfigError(
+            raise Damaged(
                 f"{self.path} is corrupted: bytes {lo}..{lo + n} do not match their checksum"
             )
         self.cached = blk

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from trainer import checkpoint, comm
+from trainer.checkpoint import faults
 from trainer.config.checks import engine_options, validate
 from trainer.data.datasets import make_eval_loader, make_loader
 from trainer.data.text import codec_from_meta
@@ -58,6 +59,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Check the config before joining the group: every rank then fails alike, and none
     # leaves a peer stuck in the group's set-up.
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    faults.check(int(os.environ.get("WORLD_SIZE", 1)))  # [Note: fault injection]
     heap.keep_freed_pages()  # a step reuses the last one's pages: [Note: keeping freed pages]
     env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
@@ -262,6 +264,10 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         cfg, env, run_dir, owner, engine, scheduler, batches, eval_loader, writer, metrics,
         bar, resumable, lr, Guard(env.device), Every.of(cfg),
     )  # fmt: skip
+    # As a step counts it, known before one runs: a run resumed at its last step (killed
+    # between its last save and its end) runs none, and still reports its tokens seen.
+    target = torch.as_tensor(dataset[0][1])  # a class label may be a plain int
+    run.tokens_per_step = target.numel() * cfg.train.batch_size if target.dim() > 0 else 0
     if getattr(model, "model_config", None) is not None:  # a language model: sampled
         model_dir = run_dir / "model"
         codec = codec_from_meta(read_meta(model_dir), model_dir) if env.is_rank0 else None
@@ -415,6 +421,8 @@ def write_sample(run: Run, step: int) -> None:
 def finish(run: Run) -> dict[str, Any]:
     """The final model and summary; returns the summary."""
     cfg, env, engine, run_dir, last = run.cfg, run.env, run.engine, run.run_dir, run.last
+    if run.tokens_per_step and "train/tokens_seen" not in last:  # no step ran here
+        last = {**last, "train/tokens_seen": float(cfg.train.steps * run.tokens_per_step)}
     run.bar.close()
     final = {
         "step": cfg.train.steps,
