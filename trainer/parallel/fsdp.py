@@ -577,7 +577,8 @@ class FSDPEngine(Engine):
             + [p for p in self.module.parameters() if not p.requires_grad],
             "grads": [b.grad_shard for b in bufs if b.grad_shard is not None]
             + module_grads
-            + self._local_grads.tensors(),
+            + self._local_grads.tensors()
+            + [b.error for b in bufs if b.error is not None],  # error feedback
             "optimizer": optimizer_state_tensors(self.optimizer),
             "comm": [b.grad_input.rows for b in bufs if b.grad_input is not None]
             + [b.reduced for b in bufs if b.reduced is not None],
