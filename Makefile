@@ -16,7 +16,7 @@ train: install
 	.venv/bin/torchrun --standalone --nproc-per-node=$(NPROC) train.py mode=zero
 
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # Another CPU rounds sums otherwise: the tests that compare training against a reference,
 # under each of PyTorch's CPU kernel sets that this CPU supports but does not pick itself
