@@ -186,3 +186,10 @@ def expert_groups(e: int) -> ExpertGroups:
         edp_mesh = Mesh(edp, None, p // e, rank // e, 1)
         _expert_groups[e] = ExpertGroups(ep, edp, e, rank % e, p // e, rank // e, edp_mesh)
     return _expert_groups[e]
+
+
+def forget() -> None:
+    """Drop every group made here, after the default group is destroyed: the C++ groups
+    are then freed at once, in the main thread, not when the interpreter tears down."""
+    for cache in (_meshes, _across, _second, _partition, _expert_groups):
+        cache.clear()

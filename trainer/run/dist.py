@@ -151,3 +151,4 @@ def peer_failure(error: RuntimeError, timeout_s: float) -> PeerError | None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    comm_groups.forget()
