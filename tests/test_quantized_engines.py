@@ -21,6 +21,7 @@ VOCAB, SEQ = 64, 16
 SGD = functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
 INT8 = {"ddp": {"reduce_dtype": "int8"}}
 INT8.update({m: {"reduce_dtype": "int8", "gather_dtype": "int8"} for m in ("zero", "fsdp")})
+MODES = ("ddp", "zero", "fsdp")
 
 
 def _model() -> nn.Module:
@@ -105,7 +106,66 @@ def _train(
     return {"sent": sent, "losses": losses, "logits": logits, "state": engine.full_state_dict()}
 
 
-def _two_ranks(env) -> dict:
+def _errors(engine) -> list[torch.Tensor | None]:
+    return [None if b.error is None else b.error.clone() for b in engine.feedback_owners()]
+
+
+def _feedback_resume(env, mode: str, directory: str) -> dict:
+    """Error feedback across a checkpoint: 2 steps, save, 2 more steps (the run as it
+    goes on), against a new engine loading the checkpoint and taking the same 2 steps."""
+    from trainer import checkpoint
+    from trainer.parallel import build_engine
+
+    def engine():
+        return build_engine(_model(), mode, SGD, error_feedback=True, **INT8[mode])
+
+    def steps(e, batches):
+        for x, y in batches:
+            xs = rank_slice(x, env.rank, env.world_size)
+            e.backward(any_loss(e(xs), rank_slice(y, env.rank, env.world_size)))
+            e.step()
+
+    batches = _batches(4)
+    first = engine()
+    steps(first, batches[:2])
+    path = checkpoint.save(f"{directory}/{mode}", 2, first)
+    saved = _errors(first)
+    steps(first, batches[2:])
+    resumed = engine()
+    checkpoint.load(path, resumed)
+    loaded = _errors(resumed)
+    steps(resumed, batches[2:])
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "went_on": (first.full_state_dict(), _errors(first)),
+        "resumed": (resumed.full_state_dict(), _errors(resumed)),
+    }
+
+
+def _feedback_into_three(env, mode: str, directory: str) -> dict:
+    """The 2-rank checkpoint of `_feedback_resume` into 3 ranks with error feedback: the
+    model is re-cut, the errors restart at zero, with the line that says so."""
+    from trainer import checkpoint
+    from trainer.checkpoint import agree
+    from trainer.parallel import build_engine
+
+    said = []
+    say, agree.say = agree.say, said.append
+    try:
+        engine = build_engine(_model(), mode, SGD, error_feedback=True, **INT8[mode])
+        checkpoint.load(checkpoint.step_dir(f"{directory}/{mode}", 2), engine)
+    finally:
+        agree.say = say
+    errors = _errors(engine)
+    x, y = _batches(1)[0]
+    xs, ys = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
+    engine.backward(any_loss(engine(xs), ys))
+    engine.step()  # and it trains on, errors and all
+    return {"said": said, "errors": errors, "after": _errors(engine)}
+
+
+def _two_ranks(env, directory: str) -> dict:
     out = {}
     for mode in ("ddp", "zero", "fsdp"):
         out[mode] = {"fp32": _train(env, mode, {}), "int8": _train(env, mode, INT8[mode])}
@@ -122,6 +182,7 @@ def _two_ranks(env) -> dict:
     out["feedback"] = {m: _feedback(env, m) for m in ("ddp", "zero", "fsdp")}
     out["experts"] = {m: _experts(env, m) for m in ("ddp", "zero", "fsdp")}
     out["ckpt"] = _checkpoint_holds_masters(env)
+    out["ef_resume"] = {m: _feedback_resume(env, m, directory) for m in MODES}
     return out
 
 
@@ -290,8 +351,10 @@ def _checkpoint_holds_masters(env) -> dict:
     return {"saved": saved, "masters": masters, "shards": shards}
 
 
-def _odd_or_hybrid(env, hybrid: bool) -> dict:
+def _odd_or_hybrid(env, hybrid: bool, directory: str | None = None) -> dict:
     out = {}
+    if directory is not None:  # the 2-rank group's checkpoints, into this world size
+        out["ef_into"] = {m: _feedback_into_three(env, m, directory) for m in MODES}
     modes = ("zero", "fsdp") if hybrid else ("ddp", "zero", "fsdp")
     extra = {"shard_group_size": 2} if hybrid else {}
     for mode in modes:
@@ -303,21 +366,23 @@ def _odd_or_hybrid(env, hybrid: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two():
-    return run_distributed(_two_ranks, 2)
+def ckpt_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ef_ckpt"))
 
 
 @pytest.fixture(scope="module")
-def three():
-    return run_distributed(_odd_or_hybrid, 3, False)
+def two(ckpt_root):
+    return run_distributed(_two_ranks, 2, ckpt_root)
+
+
+@pytest.fixture(scope="module")
+def three(two, ckpt_root):  # after `two`: it reads the checkpoints that group wrote
+    return run_distributed(_odd_or_hybrid, 3, False, ckpt_root)
 
 
 @pytest.fixture(scope="module")
 def four():
     return run_distributed(_odd_or_hybrid, 4, True)
-
-
-MODES = ("ddp", "zero", "fsdp")
 
 
 def _total(sent: dict) -> float:
@@ -579,3 +644,32 @@ def test_without_error_feedback_the_sum_drifts(two, mode):
     n, o = lay["names"][0], lay["offsets"][0]
     a, k = {"big": (0, 700), "small": (700, 7), "other": (707, 301)}[n]
     assert float((got[o : o + k] - FEEDBACK_STEPS * true[a : a + k]).abs().max()) >= 4 * step
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_error_feedback_resumes_exactly(two, mode):
+    """Saved by every rank and read back by its own: the resumed run holds the same
+    errors and goes on bitwise as the run that never stopped."""
+    for r in two:
+        res = r["ef_resume"][mode]
+        assert res["saved"] and all(e is not None for e in res["saved"])
+        assert any(e.abs().max() > 0 for e in res["saved"])
+        for a, b in zip(res["saved"], res["loaded"], strict=True):
+            assert b is not None and torch.equal(a, b)
+        (want, want_err), (got, got_err) = res["went_on"], res["resumed"]
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        for a, b in zip(want_err, got_err, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_error_feedback_into_another_world_size_restarts_at_zero(three, mode):
+    """2 ranks' errors cannot be re-cut for 3 ([Note: error feedback in a checkpoint]):
+    rank 0 says so in one line, every rank starts from no error and trains on."""
+    said = three[0]["ef_into"][mode]["said"]
+    assert len([s for s in said if "error feedback restarts at zero" in s]) == 1, said
+    assert "world size 2 there, 3 here" in said[-1]
+    for r in three:
+        assert all(e is None for e in r["ef_into"][mode]["errors"])
+        assert all(e is not None for e in r["ef_into"][mode]["after"])

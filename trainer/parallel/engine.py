@@ -270,6 +270,13 @@ class Engine(ABC):
         """Where this rank's trainable state lives, one group per flat buffer of the mode
         (ddp: one per parameter), in a fixed order."""
 
+    def feedback_owners(self) -> list[Any]:
+        """The gradient buffers whose `error` (error feedback's last quantization error
+        of this rank, None until their first int8 reduction) a checkpoint saves, in a
+        fixed order, each with its `params` ([Note: error feedback in a checkpoint] in
+        state.py). None of them without `mode.error_feedback`."""
+        return []
+
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
