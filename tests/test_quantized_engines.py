@@ -183,6 +183,7 @@ def _two_ranks(env, directory: str) -> dict:
     out["experts"] = {m: _experts(env, m) for m in ("ddp", "zero", "fsdp")}
     out["ckpt"] = _checkpoint_holds_masters(env)
     out["ef_resume"] = {m: _feedback_resume(env, m, directory) for m in MODES}
+    out["fp16_ef"] = {m: _fp16_feedback(env, m) for m in MODES}
     return out
 
 
@@ -309,6 +310,37 @@ def _fp16_overflow(env, mode: str) -> list[bool]:
         engine.backward(any_loss(engine(xs), ys))
         stepped.append(bool(engine.step()))
     return stepped
+
+
+def _fp16_feedback(env, mode: str) -> list[tuple]:
+    """fp16 with error feedback, an inf on rank 1 in the second of three steps (the scale
+    halves then): per step the scale before and after, the errors after backward and
+    after the step."""
+    from trainer.parallel import build_engine
+
+    engine = build_engine(
+        _model(), mode, SGD, precision="fp16", loss_scale={"init_scale": 1024.0},
+        error_feedback=True, **INT8[mode],
+    )  # fmt: skip
+    target = engine.module.blocks[0].mlp.c_fc.weight
+    inject = {"now": False}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if inject["now"] and env.rank == 1:
+            grad = grad.clone()
+            grad.view(-1)[0] = math.inf
+        return grad
+
+    target.register_hook(poison)
+    out = []
+    for i, (x, y) in enumerate(_batches(3)):
+        inject["now"] = i == 1
+        xs, ys = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
+        engine.backward(any_loss(engine(xs), ys))
+        before, scale = _errors(engine), float(engine.scaler.scale)
+        engine.step()
+        out.append((scale, float(engine.scaler.scale), before, _errors(engine)))
+    return out
 
 
 def _experts(env, mode: str) -> dict:
@@ -673,3 +705,17 @@ def test_error_feedback_into_another_world_size_restarts_at_zero(three, mode):
     for r in three:
         assert all(e is None for e in r["ef_into"][mode]["errors"])
         assert all(e is not None for e in r["ef_into"][mode]["after"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_error_feedback_follows_the_loss_scale(two, mode):
+    """fp16: the errors are in loss-scaled units, as the gradients they join; when an
+    overflow halves the scale they are halved with it (exactly), so the next step adds
+    them in its own units."""
+    for r in two:
+        runs = r["fp16_ef"][mode]
+        assert [after / before for before, after, _, _ in runs] == [1.0, 0.5, 1.0]
+        for before, after, held, kept in runs:
+            for a, b in zip(held, kept, strict=True):
+                assert torch.isfinite(a).all()  # an overflowed block's error is dropped
+                assert torch.equal(b, a * (after / before))

@@ -139,7 +139,16 @@ class Engine(ABC):
             self._step()
             return True
         self._unscale()
-        return self.scaler.step(self.optimizer, self._step, self.zero_grad)
+        owners = [b for b in self.feedback_owners() if b.error is not None]
+        before = self.scaler.scale.clone() if owners else None
+        stepped = self.scaler.step(self.optimizer, self._step, self.zero_grad)
+        if owners:
+            # Error feedback's errors are in loss-scaled units, as the gradients they
+            # join: a new scale rescales them (a power of two, exact), on the device.
+            ratio = self.scaler.scale / before
+            for b in owners:
+                b.error.mul_(ratio)
+        return stepped
 
     @property
     def skips_on_device(self) -> bool:
