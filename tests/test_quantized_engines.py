@@ -110,14 +110,15 @@ def _errors(engine) -> list[torch.Tensor | None]:
     return [None if b.error is None else b.error.clone() for b in engine.feedback_owners()]
 
 
-def _feedback_resume(env, mode: str, directory: str) -> dict:
+def _feedback_resume(env, mode: str, directory: str, extra: dict | None = None) -> dict:
     """Error feedback across a checkpoint: 2 steps, save, 2 more steps (the run as it
-    goes on), against a new engine loading the checkpoint and taking the same 2 steps."""
+    goes on), against a new engine loading the checkpoint and taking the same 2 steps.
+    `extra`: more engine options (hybrid sharding: replicas hold errors of their own)."""
     from trainer import checkpoint
     from trainer.parallel import build_engine
 
     def engine():
-        return build_engine(_model(), mode, SGD, error_feedback=True, **INT8[mode])
+        return build_engine(_model(), mode, SGD, error_feedback=True, **INT8[mode], **(extra or {}))
 
     def steps(e, batches):
         for x, y in batches:
@@ -385,10 +386,14 @@ def _checkpoint_holds_masters(env) -> dict:
 
 def _odd_or_hybrid(env, hybrid: bool, directory: str | None = None) -> dict:
     out = {}
-    if directory is not None:  # the 2-rank group's checkpoints, into this world size
-        out["ef_into"] = {m: _feedback_into_three(env, m, directory) for m in MODES}
     modes = ("zero", "fsdp") if hybrid else ("ddp", "zero", "fsdp")
     extra = {"shard_group_size": 2} if hybrid else {}
+    if directory is not None and not hybrid:  # the 2-rank group's checkpoints, into 3
+        out["ef_into"] = {m: _feedback_into_three(env, m, directory) for m in MODES}
+    if directory is not None and hybrid:
+        out["ef_resume"] = {
+            m: _feedback_resume(env, m, f"{directory}/hybrid", extra) for m in modes
+        }
     for mode in modes:
         out[mode] = {
             "fp32": _train(env, mode, extra, steps=2),
@@ -413,8 +418,8 @@ def three(two, ckpt_root):  # after `two`: it reads the checkpoints that group w
 
 
 @pytest.fixture(scope="module")
-def four():
-    return run_distributed(_odd_or_hybrid, 4, True)
+def four(ckpt_root):
+    return run_distributed(_odd_or_hybrid, 4, True, ckpt_root)
 
 
 def _total(sent: dict) -> float:
@@ -678,11 +683,14 @@ def test_without_error_feedback_the_sum_drifts(two, mode):
     assert float((got[o : o + k] - FEEDBACK_STEPS * true[a : a + k]).abs().max()) >= 4 * step
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_error_feedback_resumes_exactly(two, mode):
+@pytest.mark.parametrize(
+    "mode, group", [(m, "two") for m in MODES] + [(m, "four") for m in ("zero", "fsdp")]
+)
+def test_error_feedback_resumes_exactly(request, mode, group):
     """Saved by every rank and read back by its own: the resumed run holds the same
-    errors and goes on bitwise as the run that never stopped."""
-    for r in two:
+    errors and goes on bitwise as the run that never stopped. `four`: hybrid sharding
+    (2 groups of 2), where the replicas' errors are their own too."""
+    for r in request.getfixturevalue(group):
         res = r["ef_resume"][mode]
         assert res["saved"] and all(e is not None for e in res["saved"])
         assert any(e.abs().max() > 0 for e in res["saved"])

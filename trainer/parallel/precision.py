@@ -60,7 +60,7 @@ def dtype_of(name: str, key: str = "precision") -> torch.dtype:
 # exactly in the same layout ([Note: error feedback in a checkpoint] in state.py).
 # In ddp only the first of its AllReduce's two roundings (the senders') is fed back: the
 # owner's rounding of the mean for the AllGather is not, and the sum of what arrives
-# drifts by it.
+# drifts by it; nor is the int8 AllReduce across groups of `mode.shard_group_size`.
 
 
 @dataclass(frozen=True)
