@@ -57,6 +57,8 @@ CASES["mlp_looped"] = ["model=mlp", "model.hidden=256", "model.depth=4", "model.
                        "train.batch_size=8"]  # fmt: skip
 # int8 on the wire both ways (ddp: its AllReduce): all-to-alls and AllGathers of packed rows
 CASES["mlp_int8"] = [*CASES["mlp"], "mode.reduce_dtype=int8", "mode.gather_dtype=int8"]
+# and error feedback: fp32 errors of each rank's whole gradient input, counted as gradients
+CASES["mlp_int8_ef"] = [*CASES["mlp_int8"], "mode.error_feedback=true"]
 # expert parallelism, E = 2: each rank holds 2 of the 4 experts of each layer, cut over
 # the P/E ranks of its expert-data-parallel group in zero and fsdp. The estimate's pass
 # routes as if balanced; the measured one routes the real tokens ([Note: routing in a pass
@@ -72,7 +74,7 @@ CASES["gpt_moe_ep2"] = [
 ]
 RUNS = {
     1: ["mlp"],
-    2: ["gpt_ckpt", "gpt_bf16_accum", "gpt_moe_ep2", "mlp_looped", "mlp_int8"],
+    2: ["gpt_ckpt", "gpt_bf16_accum", "gpt_moe_ep2", "mlp_looped", "mlp_int8", "mlp_int8_ef"],
     4: ["mlp_hybrid", "gpt_moe_ep2"],
 }
 DEVICE = 80e9
@@ -265,10 +267,15 @@ def test_model_state_is_byte_exact_on_every_rank(runs):
     p, cases = runs
     for case, mode, cfg, est, measured in cases:
         plan = mode_plan(cfg, build_meta(cfg), shard_size(mode, cfg, p, None))
-        precision = Precision.of(cfg.precision, cfg.mode.reduce_dtype, cfg.mode.get("gather_dtype"))
+        precision = Precision.of(
+            cfg.precision,
+            cfg.mode.reduce_dtype,
+            cfg.mode.get("gather_dtype"),
+            error_feedback=bool(cfg.mode.get("error_feedback", False)),
+        )
         opt = layout.optimizer_state(optimizer_factory(cfg.optim))
         for r, got in enumerate(measured):
-            want = layout.model_state(plan, precision, opt, r)
+            want = layout.model_state(plan, precision, opt, r, p)
             assert want == {k: got["state"][k] for k in layout.KINDS}, (case, mode, r)
         most = max(sum(m["state"][k] for k in layout.KINDS) for m in measured)
         assert est["model_state_bytes_per_rank"] == most, (case, mode)
