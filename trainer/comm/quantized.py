@@ -28,12 +28,13 @@ QMAX = 127  # int8 values in [-127, 127]: symmetric, so -x quantizes to -q(x)
 # in int8; a value comes back as q * m / 127, so |x - q m / 127| <= m / 254, half a step,
 # for every value (plus fp32 rounding of the ratio and of the product, a few ulps).
 # Why m and not m / 127, and x / m and not x * (1 / m): below m ~ 1.5e-36 the step m / 127
-# is a subnormal with few significant bits (none below m ~ 1e-43) and 1 / step overflows
-# to inf, so such a block came back as +-127 steps. m itself is a value of the block,
-# exact in fp32 whatever its size; x / m lies in [-1, 1], correctly rounded even when both
-# are subnormal, so q needs no clamp. Dequantizing a block whose step would be subnormal
-# ("tiny": m < 2^-96) multiplies by m * 2^32 / 127 (normal) and then by 2^-32 (exact but for
-# one rounding into the subnormal range), so a subnormal block keeps its half-step bound.
+# is a subnormal with few significant bits (none below m ~ 1e-43), and below m ~ 3.7e-37
+# 1 / step overflows to inf, so such a block came back as +-127 steps. m itself is a value
+# of the block, exact in fp32 whatever its size; x / m lies in [-1, 1], correctly rounded
+# even when both are subnormal, so q needs no clamp. Dequantizing a block whose step
+# would be subnormal ("tiny": m < 2^-96) multiplies by m * 2^32 / 127 (normal) and then
+# by 2^-32 (exact but for one rounding into the subnormal range), so a subnormal block
+# keeps its half-step bound.
 # An all-zero block has m = 0: 0 / 0 is NaN, set to q = 0, and it comes back exactly 0. A
 # block holding an inf or a NaN gets m inf or NaN and q 0 (x / inf is 0, inf / inf and NaN
 # are set to 0), so every value of it dequantizes to NaN (0 * inf): fp16's overflow check
