@@ -56,7 +56,14 @@ CASES["mlp_hybrid"] = [*CASES["mlp"], "mode.shard_group_size=2"]
 CASES["mlp_looped"] = ["model=mlp", "model.hidden=256", "model.depth=4", "model.loops=2",
                        "train.batch_size=8"]  # fmt: skip
 # int8 on the wire both ways (ddp: its AllReduce): all-to-alls and AllGathers of packed rows
-CASES["mlp_int8"] = [*CASES["mlp"], "mode.reduce_dtype=int8", "mode.gather_dtype=int8"]
+# and error feedback (the same bytes on the wire; its fp32 errors of each rank's whole
+# gradient input are counted as gradients)
+CASES["mlp_int8"] = [
+    *CASES["mlp"],
+    "mode.reduce_dtype=int8",
+    "mode.gather_dtype=int8",
+    "mode.error_feedback=true",
+]
 # expert parallelism, E = 2: each rank holds 2 of the 4 experts of each layer, cut over
 # the P/E ranks of its expert-data-parallel group in zero and fsdp. The estimate's pass
 # routes as if balanced; the measured one routes the real tokens ([Note: routing in a pass
@@ -123,8 +130,9 @@ def _working(engine) -> int:
     if engine.name == "fsdp":
         bufs = [b for u in engine.units for b in u.flat_buffers]
         slices = {id(b.grad_shard) for b in bufs}
+        slices |= {id(b.error) for b in bufs if b.error is not None}  # error feedback's
         # unit gradients on the module's parameters and no_sync's sums: the gradients
-        # that are not this rank's slices
+        # that are not this rank's slices (nor error feedback's errors, model state too)
         local = [t for t in engine.state_tensors()["grads"] if id(t) not in slices]
         return (
             sum(_nbytes(b.full) for b in bufs)
@@ -265,10 +273,15 @@ def test_model_state_is_byte_exact_on_every_rank(runs):
     p, cases = runs
     for case, mode, cfg, est, measured in cases:
         plan = mode_plan(cfg, build_meta(cfg), shard_size(mode, cfg, p, None))
-        precision = Precision.of(cfg.precision, cfg.mode.reduce_dtype, cfg.mode.get("gather_dtype"))
+        precision = Precision.of(
+            cfg.precision,
+            cfg.mode.reduce_dtype,
+            cfg.mode.get("gather_dtype"),
+            error_feedback=bool(cfg.mode.get("error_feedback", False)),
+        )
         opt = layout.optimizer_state(optimizer_factory(cfg.optim))
         for r, got in enumerate(measured):
-            want = layout.model_state(plan, precision, opt, r)
+            want = layout.model_state(plan, precision, opt, r, p)
             assert want == {k: got["state"][k] for k in layout.KINDS}, (case, mode, r)
         most = max(sum(m["state"][k] for k in layout.KINDS) for m in measured)
         assert est["model_state_bytes_per_rank"] == most, (case, mode)

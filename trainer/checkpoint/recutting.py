@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from trainer import comm
-from trainer.checkpoint import stream
+from trainer.checkpoint import agree, stream
 from trainer.checkpoint.files import read_meta, read_rank
 from trainer.checkpoint.saving import REPLICATED
 from trainer.errors import ConfigError
@@ -153,6 +153,10 @@ def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
                 fill(i, key, None, 0)
         for k in buffers:
             ckpt.replicated(k, None)
+        feedback, restart = _feedback_plan(ckpt, rank, engine)
+        for i, b in enumerate(feedback["buffers"] if feedback else []):
+            if b["shape"] is not None:
+                ckpt.read(rank, f"feedback/{i}", 0, None, math.prod(b["shape"]))
     finally:
         ckpt.close()  # reopened by `load`, if it comes to that
 
@@ -161,11 +165,33 @@ def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
             engine_state.load_streamed(
                 engine, fill, scalar, per_element, meta["optim_hparams"], ckpt.replicated
             )
+            if feedback is not None:  # [Note: error feedback in a checkpoint]
+                engine_state.load_feedback(
+                    engine, feedback, lambda i, out: ckpt.read(rank, f"feedback/{i}", 0, out, 0)
+                )
+            elif restart is not None:
+                agree.say(restart)
         finally:
             ckpt.close()
 
     rng = ckpt.indexes[rank]["rng"] if rank in ckpt.indexes else None
     return meta, load, rng
+
+
+def _feedback_plan(ckpt: Checkpoint, rank: int, engine) -> tuple[dict | None, str | None]:
+    """This rank's saved error feedback layout when it can be loaded as it is, else None
+    and the line that says it restarts at zero (None when there is nothing to say:
+    no error feedback in this run, or none saved) ([Note: error feedback in a
+    checkpoint] in parallel/state.py)."""
+    mine = engine_state.feedback_layout(engine)
+    index = ckpt.indexes.get(rank)  # None on a rank the checkpoint did not have
+    saved = index.get("feedback") if index is not None else None
+    if mine is None or saved is None:  # rank 0, which says the line, always has an index
+        return None, None
+    why = engine_state.feedback_mismatch(saved, mine)
+    if why is None:
+        return saved, None
+    return None, f"error feedback restarts at zero: {ckpt.path} holds it for another layout ({why})"
 
 
 def _group_plan(ckpt: Checkpoint, group: dict, rank: int) -> list[Copy]:

@@ -107,6 +107,7 @@ def save(
             planned, scalars = engine_state.data_to_write(engine)
             entries = [stream.Entry(*e) for e in planned]
             shard = {"rank": rank, "scalar": scalars, "rng": rng_state()}
+            shard["feedback"] = engine_state.feedback_layout(engine)  # this rank's errors
             meta = None
             if rank == 0:
                 replicated = [e for e in entries if e.name.startswith(REPLICATED)]

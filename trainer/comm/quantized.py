@@ -24,11 +24,21 @@ QMAX = 127  # int8 values in [-127, 127]: symmetric, so -x quantizes to -q(x)
 
 # [Note: int8 blocks]
 # A flat tensor is cut into blocks of `block` values (the last one zero-padded); each block
-# keeps scale = max|x| / 127 in fp32 and q = round(x / scale) in int8, so
-# |x - q * scale| <= scale / 2 for every value (plus fp32 rounding of the two products).
-# An all-zero block has scale 0 and q 0, with no division by it. A block holding an inf or
-# a NaN gets a non-finite scale and q 0, so every value of it dequantizes to NaN (0 * inf):
-# fp16's overflow check downstream still sees it and the step is skipped on every rank.
+# keeps its largest magnitude m in fp32 (the "scale" that travels) and q = round(127 x / m)
+# in int8; a value comes back as q * m / 127, so |x - q m / 127| <= m / 254, half a step,
+# for every value (plus fp32 rounding of the ratio and of the product, a few ulps).
+# Why m and not m / 127, and x / m and not x * (1 / m): below m ~ 1.5e-36 the step m / 127
+# is a subnormal with few significant bits (none below m ~ 1e-43), and below m ~ 3.7e-37
+# 1 / step overflows to inf, so such a block came back as +-127 steps. m itself is a value
+# of the block, exact in fp32 whatever its size; x / m lies in [-1, 1], correctly rounded
+# even when both are subnormal, so q needs no clamp. Dequantizing a block whose step
+# would be subnormal ("tiny": m < 2^-96) multiplies by m * 2^32 / 127 (normal) and then
+# by 2^-32 (exact but for one rounding into the subnormal range), so a subnormal block
+# keeps its half-step bound.
+# An all-zero block has m = 0: 0 / 0 is NaN, set to q = 0, and it comes back exactly 0. A
+# block holding an inf or a NaN gets m inf or NaN and q 0 (x / inf is 0, inf / inf and NaN
+# are set to 0), so every value of it dequantizes to NaN (0 * inf): fp16's overflow check
+# downstream still sees it and the step is skipped on every rank.
 # What travels is one uint8 row per destination: [q (n_blocks * block)] [scales (4 *
 # n_blocks bytes)] [exact tail (4 * tail bytes)]; the tail carries control values that
 # must arrive exactly (the used-flags, [Note: used flags] in parallel/used.py) in fp32.
@@ -51,8 +61,13 @@ def row_bytes(numel: int, block: int, tail: int = 0) -> int:
     return nb * block + 4 * nb + 4 * tail
 
 
+TINY = 2.0**-96  # below it a block's step m / 127 would be subnormal: [Note: int8 blocks]
+SHIFT = 2.0**32  # exact: m * SHIFT / 127 is normal for every m > 0 below TINY
+
+
 def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., n) floats -> (..., nb * block) int8 and (..., nb) fp32 scales, per block."""
+    """(..., n) floats -> (..., nb * block) int8 and (..., nb) fp32 scales (each block's
+    largest magnitude), per block ([Note: int8 blocks])."""
     n = x.shape[-1]
     nb = n_blocks(n, block)
     if n == nb * block and x.dtype == torch.float32 and x.is_contiguous():
@@ -61,13 +76,19 @@ def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         padded = x.new_zeros((*x.shape[:-1], nb * block), dtype=torch.float32)
         padded[..., :n] = x
         blocks = padded.view(*x.shape[:-1], nb, block)
-    scale = blocks.abs().amax(dim=-1) / QMAX  # (..., nb); inf or NaN with a non-finite value
-    usable = torch.isfinite(scale) & (scale > 0)
-    inv = torch.where(usable, 1.0 / torch.where(usable, scale, 1.0), 0.0)
-    q = blocks * inv.unsqueeze(-1)
-    # a non-finite value times 0 is NaN: zeroed before the cast, its scale keeps it visible
-    q.round_().clamp_(-QMAX, QMAX).nan_to_num_(0.0)
-    return q.to(torch.int8).view(*x.shape[:-1], nb * block), scale
+    peak = blocks.abs().amax(dim=-1)  # (..., nb); inf or NaN with a non-finite value
+    q = blocks / peak.unsqueeze(-1)  # in [-1, 1]; NaN where 0 / 0 or non-finite
+    # a NaN (an all-zero or non-finite block) becomes 0; the scale keeps the block visible
+    q.mul_(QMAX).round_().nan_to_num_(0.0)
+    return q.to(torch.int8).view(*x.shape[:-1], nb * block), peak
+
+
+def _steps(peak: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, two factors whose product is the step peak / 127: a normal fp32 one and
+    an exact power of two ([Note: int8 blocks]). A non-finite peak keeps its inf or NaN."""
+    tiny = peak < TINY
+    step = torch.where(tiny, peak * SHIFT, peak) / QMAX
+    return step, torch.where(tiny, 1 / SHIFT, 1.0)
 
 
 def dequantize(
@@ -78,13 +99,13 @@ def dequantize(
     is written in place, with no temporary."""
     nb = scale.shape[-1]
     shape = (*q.shape[:-1], nb, q.shape[-1] // nb)
+    step, shift = (t.unsqueeze(-1) for t in _steps(scale))
     if out is not None and out.dtype == torch.float32 and out.shape[-1] == q.shape[-1]:
-        blocks = out.view(shape)
-        blocks.copy_(q.view(shape))
-        blocks.mul_(scale.unsqueeze(-1))
+        blocks = torch.mul(q.view(shape), step, out=out.view(shape))
+        blocks.mul_(shift)
         return out
-    blocks = q.view(shape).float()
-    blocks.mul_(scale.unsqueeze(-1))
+    blocks = q.view(shape) * step  # fp32
+    blocks.mul_(shift)
     values = blocks.view(*q.shape[:-1], -1)[..., :numel]
     if out is None:
         return values

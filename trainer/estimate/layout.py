@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.comm import quantized
 from trainer.errors import ConfigError
 from trainer.observe.memory import bytes_per_element, optimizer_bytes_per_param
 from trainer.parallel import ENGINES, experts, pieces
@@ -224,10 +225,10 @@ def bare(mode: str, psi: int, shard: int, options: dict[str, Any]) -> Plan:
 
 
 def model_state(
-    p: Plan, precision: Precision, opt: OptimizerState, rank: int = 0
+    p: Plan, precision: Precision, opt: OptimizerState, rank: int = 0, world: int = 1
 ) -> dict[str, int]:
-    """Bytes of each model-state kind on `rank`, as `memory.measure` counts them after an
-    optimizer step (before the gradients are dropped)."""
+    """Bytes of each model-state kind on `rank` of `world`, as `memory.measure` counts
+    them after an optimizer step (before the gradients are dropped)."""
     b, r = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     per = bytes_per_element(p.mode, b, r, opt.per_element)
     sharded = ENGINES[p.mode].sharded_kinds
@@ -246,8 +247,19 @@ def model_state(
             out["grads"] += f.n_flags * r
         elif r == 4:
             out["grads"] += f.n_flags * 4
+        if precision.error_feedback:
+            out["grads"] += _feedback_bytes(p, f, world)
         out["optimizer"] += _optimizer_bytes(p, f, opt, p.group_rank(f, rank))
     return out
+
+
+def _feedback_bytes(p: Plan, f: Flat, world: int) -> int:
+    """Error feedback's fp32 errors of one buffer: this rank's whole gradient input."""
+    if p.mode == "ddp":  # (P, chunk): `all_reduce_int8`'s chunks over the bucket's ranks
+        g = world // p.expert_parallel if f.expert else world
+        return g * quantized.chunk_of(f.layout.numel, g) * 4
+    s = p.shard_of(f)  # (S, shard): the ReduceScatter's input
+    return s * f.layout.shard_size(s) * 4
 
 
 def _optimizer_bytes(p: Plan, f: Flat, opt: OptimizerState, group_rank: int) -> int:
@@ -264,23 +276,31 @@ def _optimizer_bytes(p: Plan, f: Flat, opt: OptimizerState, group_rank: int) -> 
     return int(sum(n * opt.per_element + opt.per_tensor for n in sizes))
 
 
-def max_model_state(p: Plan, precision: Precision, opt: OptimizerState) -> dict[str, int]:
+def max_model_state(
+    p: Plan, precision: Precision, opt: OptimizerState, world: int = 1
+) -> dict[str, int]:
     """The rank holding the most (ranks differ by a few optimizer step counters). With
     expert parallelism S = P in zero and fsdp, and ddp's ranks hold the same bytes."""
-    ranks = [model_state(p, precision, opt, r) for r in range(p.shard)]
+    ranks = [model_state(p, precision, opt, r, world) for r in range(p.shard)]
     return max(ranks, key=lambda d: sum(d.values()))
 
 
-def checkpoint_data_bytes(p: Plan, opt: OptimizerState) -> int:
+def checkpoint_data_bytes(
+    p: Plan, opt: OptimizerState, precision: Precision | None = None, world: int = 1
+) -> int:
     """Bytes of rank 0's checkpoint data file (`rank0.bin`, [Note: streamed checkpoint
     files]), the largest: the fp32 values of every group it writes (its slice; ddp's whole
     model, written once) and the optimizer's per-element state laid out like them. An
     async save holds a host copy of it ([Note: async save]). Buffers are not counted, as
-    in the model state; entries start at 64-byte multiples (a few bytes more each)."""
+    in the model state; entries start at 64-byte multiples (a few bytes more each). With
+    error feedback every rank also writes its errors ([Note: error feedback in a
+    checkpoint] in parallel/state.py)."""
     total = 0
     for f in p.flat_buffers:
         n = f.layout.shard_size(p.shard_of(f)) if p.sharded else f.layout.padded_numel
         total += int(n * (4 + opt.per_element))  # fp32 values (the masters where mixed)
+        if precision is not None and precision.error_feedback:
+            total += _feedback_bytes(p, f, world)
     return total
 
 

@@ -73,6 +73,7 @@ def estimate(
             options.get("reduce_dtype", "fp32"),
             options.get("gather_dtype"),
             options.get("quant_block", 256),
+            bool(options.get("error_feedback", False)),
         )
         s = shard_size(mode, cfg, world, shard_group_size)
         e = cfg.mode.get("expert_parallel", 1)
@@ -91,7 +92,7 @@ def estimate(
                 plan.again = calls.gathered_again(forward, plan.units, gathers)
         # a token's forward multiplies by these: an MoE's top-k experts, not all of them
         flop_params = plan.psi if model is None else experts.active_params(model, plan.psi)
-        state = layout.max_model_state(plan, precision, opt)
+        state = layout.max_model_state(plan, precision, opt, world)
         sent = collectives(plan, precision, world, k, buffers)
         fig: dict[str, Any] = {
             "params": plan.psi,
@@ -110,7 +111,7 @@ def estimate(
         # a save's extra host memory per rank: the staging buffer, and with ckpt.async a
         # host copy of the rank's data file besides ([Note: async save])
         staging = int(cfg.ckpt.buffer_mb * 2**20)
-        data = layout.checkpoint_data_bytes(plan, opt)
+        data = layout.checkpoint_data_bytes(plan, opt, precision, world)
         fig["checkpoint_save_bytes"] = {"sync": staging, "async": staging + data}
         # [Note: the build peak] in layout.py: to the first step, ordinary and meta build
         fig["build_peak_bytes"] = layout.build_peak(plan, precision, world, *built)

@@ -243,6 +243,9 @@ class DDPEngine(Engine):
         state["grads"] = [b.buffer for b in self.buckets] + separate + errors
         return state
 
+    def feedback_owners(self) -> list[_Bucket]:
+        return list(self.buckets) if self.precision.error_feedback else []
+
     def shard_groups(self) -> list[ShardGroup]:
         # Every rank holds every parameter whole: one unsharded group per parameter, its
         # values being the fp32 master the optimizer steps.

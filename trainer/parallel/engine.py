@@ -139,7 +139,16 @@ class Engine(ABC):
             self._step()
             return True
         self._unscale()
-        return self.scaler.step(self.optimizer, self._step, self.zero_grad)
+        owners = [b for b in self.feedback_owners() if b.error is not None]
+        before = self.scaler.scale.clone() if owners else None
+        stepped = self.scaler.step(self.optimizer, self._step, self.zero_grad)
+        if owners:
+            # Error feedback's errors are in loss-scaled units, as the gradients they
+            # join: a new scale rescales them (a power of two, exact), on the device.
+            ratio = self.scaler.scale / before
+            for b in owners:
+                b.error.mul_(ratio)
+        return stepped
 
     @property
     def skips_on_device(self) -> bool:
@@ -269,6 +278,13 @@ class Engine(ABC):
     def shard_groups(self) -> list[ShardGroup]:
         """Where this rank's trainable state lives, one group per flat buffer of the mode
         (ddp: one per parameter), in a fixed order."""
+
+    def feedback_owners(self) -> list[Any]:
+        """The gradient buffers whose `error` (error feedback's last quantization error
+        of this rank, None until their first int8 reduction) a checkpoint saves, in a
+        fixed order, each with its `params` ([Note: error feedback in a checkpoint] in
+        state.py). None of them without `mode.error_feedback`."""
+        return []
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -584,6 +584,9 @@ class FSDPEngine(Engine):
             + [b.reduced for b in bufs if b.reduced is not None],
         }
 
+    def feedback_owners(self) -> list[_UnitBuffer]:
+        return self._buffers() if self.precision.error_feedback else []
+
     def _expert_group(self, b: ShardedBuffer) -> Any:
         """An expert buffer's EDP group (pieces.ShardGroup.group); None for the others,
         sharded over the mode's own shard group."""

@@ -50,9 +50,17 @@ def dtype_of(name: str, key: str = "precision") -> torch.dtype:
 # wire, scales included: what the expected traffic and the estimate count.
 # `error_feedback` keeps, per gradient buffer and rank, the fp32 error of its last
 # quantization and adds it to the next gradient before quantizing (a non-finite error,
-# from an fp16 overflow, is dropped). Its memory: one fp32 copy of every gradient
-# buffer's full (unsharded) input per rank, 4Ψ bytes, in every mode: in fsdp that is
-# a full model's worth next to its 16Ψ/P. Not saved in checkpoints (it restarts at zero).
+# from an fp16 overflow, is dropped); the errors are in the gradients' units, loss-scaled
+# in fp16, and follow a change of the scale (engine.py `step`). Its memory: one fp32
+# copy of every gradient buffer's full (unsharded) input per rank, 4Ψ bytes, in every
+# mode: in fsdp that is a full model's worth next to its 16Ψ/P. It cannot be sharded at
+# the same bytes on the wire: each rank sends an int8 contribution to every rank's
+# slice, so it rounds its whole gradient each step, and only that rank knows what it
+# rounded away until it sends again. Saved by every rank in checkpoints and resumed
+# exactly in the same layout ([Note: error feedback in a checkpoint] in state.py).
+# In ddp only the first of its AllReduce's two roundings (the senders') is fed back: the
+# owner's rounding of the mean for the AllGather is not, and the sum of what arrives
+# drifts by it; nor is the int8 AllReduce across groups of `mode.shard_group_size`.
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,20 @@ element k of a parameter on EP position e is then element e*L + k of the full pa
 (L its local numel: rows are the leading dimension, so a slice of rows is one range of
 elements), and a re-cut to another E or P reads the full parameter by ranges as it does
 a dense one (checkpoint/recutting.py).
+
+[Note: error feedback in a checkpoint]
+With `mode.error_feedback` each rank holds, per gradient buffer, the fp32 error of its
+last quantization of its own gradient ((P, C): one row per destination rank), in the
+gradient's units (loss-scaled in fp16, as the scale that is saved with it). It belongs
+to that rank alone, so every rank writes its own, replicas included, as `feedback/i`
+in its data file, and describes them in its index (`feedback_layout`: mode, world size,
+shard group size, expert-parallel size and each buffer's parameters). A resume with
+the same description reads each rank's errors back exactly, and the next reduction
+sends them as if the run had not stopped. Another one (another world size, mode,
+bucket size, shard group or expert-parallel size) cannot be re-cut: an error is of one
+rank's local gradient, which no rank of the new layout computes; error feedback then
+restarts at zero, as a fresh run's does, with one line saying so: what it loses is the
+rounding error of one step, at most half a quantization step per value and rank.
 """
 
 from __future__ import annotations
@@ -82,6 +96,61 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
     }
 
 
+def feedback_layout(engine: Engine) -> dict[str, Any] | None:
+    """What a checkpoint says of this rank's error feedback buffers, None without error
+    feedback ([Note: error feedback in a checkpoint]): `buffers` holds, per buffer, its
+    parameters' names and element count and the shape of its `error` (None before its
+    first int8 reduction; nothing is written then)."""
+    owners = engine.feedback_owners()
+    if not owners:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    experts = engine.experts
+    return {
+        "mode": engine.name,
+        "world_size": engine.world_size,
+        "shard_group_size": engine.mesh.shard_size,
+        "ep_size": experts.groups.ep_size if experts is not None else 1,
+        "buffers": [
+            {
+                "names": [names[id(p)] for p in b.params],
+                "numel": sum(p.numel() for p in b.params),
+                "shape": None if b.error is None else list(b.error.shape),
+            }
+            for b in owners
+        ],
+    }
+
+
+def feedback_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    """Why errors saved with layout `saved` cannot be loaded into one with `mine`, or
+    None when they can, buffer by buffer ([Note: error feedback in a checkpoint])."""
+    for key in ("mode", "world_size", "shard_group_size", "ep_size"):
+        if saved[key] != mine[key]:
+            return f"{key.replace('_', ' ')} {saved[key]} there, {mine[key]} here"
+    strip = [[{k: b[k] for k in ("names", "numel")} for b in x["buffers"]] for x in (saved, mine)]
+    if strip[0] != strip[1]:
+        return "its gradient buffers hold other parameters (another bucket size or model)"
+    return None
+
+
+@torch.no_grad()
+def load_feedback(
+    engine: Engine, saved: dict[str, Any], read: Callable[[int, torch.Tensor], None]
+) -> None:
+    """Each saved `error` into its buffer (layouts already agreed by `feedback_mismatch`),
+    `read(i, out)` filling buffer i's from this rank's file; a buffer saved without one
+    (not reduced yet) starts at zero, as do all without a checkpoint."""
+    for i, (b, entry) in enumerate(zip(engine.feedback_owners(), saved["buffers"], strict=True)):
+        if entry["shape"] is None:
+            b.error = None
+            continue
+        device = b.params[0].device
+        if b.error is None or list(b.error.shape) != entry["shape"]:
+            b.error = torch.zeros(entry["shape"], dtype=torch.float32, device=device)
+        read(i, b.error.view(-1))
+
+
 def holds(engine: Engine, g: ShardGroup) -> bool:
     """Whether this rank writes group `g`: unsharded groups by rank 0 alone (ddp writes
     its model once), sharded ones by the first shard group (its replicas hold the same
@@ -102,9 +171,10 @@ def data_to_write(engine: Engine) -> tuple[list[DataEntry], list[dict[str, dict]
     """This rank's part of a checkpoint, as views of the live tensors (no copies), and the
     optimizer's other state (step counters) per group by parameter name, None for groups
     it does not write. Entries: `params/i` (the group's local values, 1-D), `optim/i/k`
-    (per-element optimizer tensor k laid out like them, zero where no piece has state)
-    and, on rank 0, `replicated/KEY` (buffers and frozen parameters, fp32 like the
-    masters, so that a checkpoint does not depend on `precision`)."""
+    (per-element optimizer tensor k laid out like them, zero where no piece has state),
+    on every rank with error feedback `feedback/i` (its own errors, [Note: error feedback
+    in a checkpoint]) and, on rank 0, `replicated/KEY` (buffers and frozen parameters,
+    fp32 like the masters, so that a checkpoint does not depend on `precision`)."""
     entries: list[DataEntry] = []
     scalars: list[dict[str, dict] | None] = []
     state = engine.optimizer.state
@@ -135,6 +205,10 @@ def data_to_write(engine: Engine) -> tuple[list[DataEntry], list[dict[str, dict]
             segments.append(local.numel() - ends[k])
             entries.append((f"optim/{i}/{k}", dtypes[k], [local.numel()], segments))
         scalars.append(scalar)
+    # [Note: error feedback in a checkpoint]: every rank its own
+    for i, b in enumerate(engine.feedback_owners()):
+        if b.error is not None:
+            entries.append((f"feedback/{i}", torch.float32, [b.error.numel()], [b.error.view(-1)]))
     if engine.rank == 0:
         module = engine.module.state_dict(keep_vars=True)
         for k, name in shard_layout(engine)["keys"]:

@@ -211,6 +211,9 @@ class ZeroEngine(Engine):
             "comm": [b.reduced for b in self.buckets if b.reduced is not None],
         }
 
+    def feedback_owners(self) -> list[ShardedBuffer]:
+        return list(self.buckets) if self.precision.error_feedback else []
+
     def _expert_group(self, b: ShardedBuffer) -> Any:
         """An expert buffer's EDP group (pieces.ShardGroup.group); None for the others,
         sharded over the mode's own shard group."""
