@@ -55,18 +55,19 @@ from trainer.observe import host
 #     and the rank that gathered again says so in one line (`timeouts`);
 #   - ranks that gather again as often but other units, or in another order, pair wrong
 #     buffers: of different sizes, Gloo aborts the process; of equal sizes the values mix
-#     silently. So each rank hashes the sequence of units it gathered again (in forward
-#     and in backward, apart), and after a
-#     backward (or a forward without grad) in which it did, it compares the hash with its
-#     peers' in one small AllReduce of its 64 bits, before any gradient reaches the
+#     silently. So each rank hashes the sequence of units it gathered again (forward and
+#     backward ones told apart), and after a backward (or a forward without grad) in
+#     which it did, it compares the hash with its peers' in one small AllReduce of its
+#     64 bits, before any gradient reaches the
 #     optimizer: a mismatch is refused in one line on every rank, with each rank's count.
 #     A rank that gathered nothing again issues no such AllReduce and needs none: then no
 #     peer did either, or every rank is already hanging (above).
 # The check rides on no collective of the step: on the root's ReduceScatter it would add
 # its 64 columns to every fsdp step and mix the shard groups' hashes under hybrid
 # sharding, where only a shard group's ranks pair up (the AllReduce runs over the shard
-# group). Steps that gather nothing again cost nothing; one that does costs the AllReduce
-# and one host read.
+# group). Steps that gather nothing again cost nothing; one that does costs two such
+# AllReduces and two host reads (the calls compared at the start of backward, the units
+# gathered again after it).
 
 SIGNATURE_BITS = 64
 
