@@ -51,8 +51,8 @@ CASES = {
 CASES["mlp"].append("mode.bucket_mb=1.1")
 # hybrid sharding: zero and fsdp shard over {0, 1} and {2, 3}, AllReduce across them
 CASES["mlp_hybrid"] = [*CASES["mlp"], "mode.shard_group_size=2"]
-# weight sharing across depth: fsdp gathers the hidden layers again in the second loop
-# and keeps them gathered across both loops' backwards
+# weight sharing across depth: fsdp gathers the hidden layers again in the second loop,
+# and again for each loop's backward
 CASES["mlp_looped"] = ["model=mlp", "model.hidden=256", "model.depth=4", "model.loops=2",
                        "train.batch_size=8"]  # fmt: skip
 # int8 on the wire both ways (ddp: its AllReduce): all-to-alls and AllGathers of packed rows
@@ -331,9 +331,11 @@ def test_working_set_within_10pct_of_measured(runs):
             assert got == want == 0
             continue
         if cfg.model.get("loops", 1) > 1 and mode == "fsdp":
-            # the hidden layers, gathered again, are counted as held at once in full; they
-            # are freed one by one, each once its gradients are done: an upper bound, by
-            # less than their parameters (depth - 1 layers of hidden x hidden + hidden)
+            # of the hidden layers, gathered again, two are counted gathered at once and
+            # all their gradients held until the others are reduced; one is gathered at a
+            # time and each gradient arrives after its last call's backward: an upper
+            # bound, by less than their parameters (depth - 1 layers of hidden x hidden +
+            # hidden)
             h = cfg.model.hidden
             kept = (cfg.model.depth - 1) * (h * h + h) * 4
             assert got <= want < got + kept, (case, mode, want, got)
@@ -550,3 +552,25 @@ def test_units_gathered_again_follow_fsdps_forward_rules():
     # a call inside another unit's forward frees nothing until the next unit starts
     nested = [("pre", "a"), ("pre", "shared"), ("post", "shared"), ("post", "a")]
     assert gathered_again([*nested, *calls("shared")], units, gathers) == {1: 1}
+
+
+def test_units_gathered_again_in_backward_mirror_the_forward():
+    """The estimate's count of the backward's AllGathers beyond one per unit: each call's
+    backward of a unit gathered again in forward gathers it unless no other unit with
+    parameters started its backward since its last call's."""
+    from trainer.parallel.calls import gathered_again_in_backward
+
+    units = ["", "shared", "a", "b", "frozen"]
+    gathers = {0, 1, 2, 3}
+
+    def calls(*names: str) -> list[tuple[str, str]]:
+        return [(e, n) for n in names for e in ("pre", "post")]
+
+    def again(*names: str) -> dict[int, int]:
+        return gathered_again_in_backward(calls(*names), units, gathers)
+
+    assert again("shared", "a", "shared", "b", "shared") == {1: 2}
+    assert again("shared", "a", "shared", "shared") == {1: 1}  # its last two at once
+    assert again("a", "b", "a", "b") == {2: 1, 3: 1}  # a looped model
+    assert again("shared", "frozen", "shared") == {}  # not gathered again in forward
+    assert again("shared", "a", "b") == {}

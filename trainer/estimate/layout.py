@@ -91,8 +91,10 @@ class Plan:
     expert_parallel: int = 1  # E: each rank lays out n_experts / E of the experts
     units: list[str] = field(default_factory=list)  # fsdp: unit names, `plan_units` order
     # fsdp: AllGathers again per forward, by unit index, of units called again after
-    # other units ([Note: a unit called again after another] in parallel/calls.py)
+    # other units ([Note: a unit called again after another] in parallel/calls.py), and
+    # those their backward issues beyond one per unit
     again: dict[int, int] = field(default_factory=dict)
+    again_backward: dict[int, int] = field(default_factory=dict)
 
     @property
     def sharded(self) -> bool:
@@ -311,8 +313,10 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
     ReduceScatters in flight, at most `BUCKETS_IN_FLIGHT` + 1 buckets ([Note: bounded
     buckets]), each (S, shard + flags) in the reduce dtype. fsdp: the engine's
     `working_set_bytes()`: full parameters and gradients of the root unit and of the two
-    largest other units, and the full parameters of every unit gathered again for a
-    later call (an upper bound for those: they are freed one by one). Both keep
+    largest other units, and of the units gathered again for a later call the full
+    parameters of the two largest (one is gathered at a time, two in a recomputed region
+    holding both) and the gradients of all (an upper bound: each is reduced after the
+    other units, from its last call's backward on). Both keep
     every reduced slice until backward ends; in fp32 those are the shard gradients
     (model state), in a lower reduce dtype they come on top. With
     several micro-batches, zero and fsdp also keep every full gradient in the reduce
@@ -329,14 +333,19 @@ def working_set(p: Plan, precision: Precision, micro_batches: int = 1) -> int:
             (s := p.shard_of(f)) * (f.layout.shard_size(s) + f.n_flags) * r for f in p.flat_buffers
         ]
         return extra + sum(sorted(rows, reverse=True)[: BUCKETS_IN_FLIGHT + 1])
-    per_unit: dict[int, int] = {}
-    kept = 0  # full params of units gathered again, held across their calls' backwards
+    per_unit: dict[int, int] = {}  # full params and grads of the units in the order
+    again_params: dict[int, int] = {}  # of units gathered again: full params,
+    again_grads = 0  # and every one's grads, reduced after the others
     for f in p.flat_buffers:
-        again = f.unit in p.again
-        kept += f.layout.padded_numel * b if again else 0
-        per_unit[f.unit] = per_unit.get(f.unit, 0) + f.layout.padded_numel * (r + (not again) * b)
+        n = f.layout.padded_numel
+        if f.unit in p.again:
+            again_params[f.unit] = again_params.get(f.unit, 0) + n * b
+            again_grads += n * r
+        else:
+            per_unit[f.unit] = per_unit.get(f.unit, 0) + n * (r + b)
     root = per_unit.pop(0, 0)
-    return extra + root + kept + sum(sorted(per_unit.values(), reverse=True)[:2])
+    two_again = sum(sorted(again_params.values(), reverse=True)[:2])
+    return extra + root + two_again + again_grads + sum(sorted(per_unit.values(), reverse=True)[:2])
 
 
 # [Note: the build peak]

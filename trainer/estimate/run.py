@@ -90,6 +90,7 @@ def estimate(
                 forward = next(iter(passes.values()))[0].calls
                 gathers = {f.unit for f in plan.flat_buffers}
                 plan.again = calls.gathered_again(forward, plan.units, gathers)
+                plan.again_backward = calls.gathered_again_in_backward(forward, plan.units, gathers)
         # a token's forward multiplies by these: an MoE's top-k experts, not all of them
         flop_params = plan.psi if model is None else experts.active_params(model, plan.psi)
         state = layout.max_model_state(plan, precision, opt, world)

@@ -51,8 +51,10 @@ class Sent:
 #   fsdp  per micro-batch, an AllGather of every unit before its forward and again before
 #         its backward (once with reshard_after_forward=false), the root unit's once, and
 #         one more for each later call of a unit called again after other units (`again`
-#         of the plan, from the estimate's forward); one ReduceScatter per buffer, once
-#         per step.
+#         of the plan, from the estimate's forward), and in backward one more for each
+#         call's backward that finds such a unit freed beyond its first (`again_backward`,
+#         the same forward replayed backwards); one ReduceScatter per buffer, once per
+#         step.
 #   With expert parallelism ([Note: expert parameters in every mode] in
 #   parallel/experts.py) the experts' buffers are reduced (and gathered) the same way over
 #   the P/E ranks of rank 0's expert-data-parallel group, 0, E, 2E, ...; the AllToAlls
@@ -126,10 +128,11 @@ def collectives(
             continue
         twice = not f.root and p.options.get("reshard_after_forward", True)
         again = p.again.get(f.unit, 0) if twice else 0
+        again_backward = p.again_backward.get(f.unit, 0) if twice else 0
         for _ in range(micro_batches):
             out += [Sent("all_gather", gather, shard_group, FORWARD)] * (1 + again)
             if twice:
-                out.append(Sent("all_gather", gather, shard_group, BACKWARD))
+                out += [Sent("all_gather", gather, shard_group, BACKWARD)] * (1 + again_backward)
     return out
 
 

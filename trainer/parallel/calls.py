@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,30 +24,50 @@ from trainer.observe import host
 # call gathers it again, as FSDP2 does. These AllGathers run on a group of their own (a
 # third twin of the shard group, comm/groups.py): ranks that skip different units issue
 # the schedule's AllGathers at other points between them, so on one group the two kinds
-# would pair with each other. In backward the unit is gathered once, at its turn in the
-# one order (schedule.py), and stays gathered across its calls' backwards: autograd sums
-# a parameter's gradient over all its uses before it accumulates it, so the unit's
-# gradients are done, and it is freed and reduced once, after its first call's backward.
-# Each unit gathered again is thus held through part of backward (`working_set_bytes`
-# counts them: one unit for one shared block, every unit for a model looping over all).
+# would pair with each other. Backward mirrors it, as FSDP2's pre-backward hook fires per
+# call: such a unit leaves the schedule's order for that backward (schedule.py); each
+# call's backward gathers it on the same group of its own unless it is still gathered,
+# and it is freed when another unit's backward starts, as in forward ([Note: freeing
+# after forward] in fsdp.py). Its gradients need no unit kept: autograd sums a
+# parameter's gradient over all its uses before it accumulates it, so they arrive once,
+# after the last call's backward; the unit is reduced once, after the other units and
+# before the root (a place every rank agrees on, whatever units each skipped), so its
+# traffic stays one ReduceScatter. A backward thus holds one such unit's parameters at a
+# time (two in a recomputed region holding both) and their summed gradients, not every
+# unit between its calls (`working_set_bytes`). Its first AllGather of a backward is the
+# one the traffic formula counts per unit; every other one is counted beyond it
+# (`sent_again`).
+# Gathering per call in backward needs the ranks' backwards alike: a rank that skips a
+# unit its peers run goes ahead in the one order and may wait there (to free a unit it
+# gathered only for the order, or for an older ReduceScatter) for a collective that a
+# peer issues only after its next such AllGather, which waits for that rank: a deadlock
+# (tests/test_control_flow.py's random draws found it). So at the start of a backward
+# after forwards that gathered a unit again, the ranks compare a hash of every call
+# those forwards made (unit, with or without grad) and of how many gradients each unit
+# of the order expects (one AllReduce of 64 bits over the shard group, one host read).
+# Where they differ, the units stay in the order for that backward, as the order needs:
+# gathered once at their turn and kept across their calls' backwards, so every unit
+# between the calls may be gathered with them (the price of calls that differ).
 # The ranks' AllGathers pair up only if every rank gathers the same units again in the
-# same order. When the ranks' calls differ, they need not:
+# same order, in forward and in backward. When the ranks' calls differ, they need not:
 #   - a rank that gathers again more often than its peers waits for an AllGather that no
 #     peer issues: every rank then hangs until the collective timeout (dist.timeout_s),
 #     and the rank that gathered again says so in one line (`timeouts`);
 #   - ranks that gather again as often but other units, or in another order, pair wrong
 #     buffers: of different sizes, Gloo aborts the process; of equal sizes the values mix
-#     silently. So each rank hashes the sequence of units it gathered again, and after a
-#     backward (or a forward without grad) in which it did, it compares the hash with its
-#     peers' in one small AllReduce of its 64 bits, before any gradient reaches the
+#     silently. So each rank hashes the sequence of units it gathered again (forward and
+#     backward ones told apart), and after a backward (or a forward without grad) in
+#     which it did, it compares the hash with its peers' in one small AllReduce of its
+#     64 bits, before any gradient reaches the
 #     optimizer: a mismatch is refused in one line on every rank, with each rank's count.
 #     A rank that gathered nothing again issues no such AllReduce and needs none: then no
 #     peer did either, or every rank is already hanging (above).
 # The check rides on no collective of the step: on the root's ReduceScatter it would add
 # its 64 columns to every fsdp step and mix the shard groups' hashes under hybrid
 # sharding, where only a shard group's ranks pair up (the AllReduce runs over the shard
-# group). Steps that gather nothing again cost nothing; one that does costs the AllReduce
-# and one host read.
+# group). Steps that gather nothing again cost nothing; one that does costs two such
+# AllReduces and two host reads (the calls compared at the start of backward, the units
+# gathered again after it).
 
 SIGNATURE_BITS = 64
 
@@ -61,10 +81,12 @@ class CallRecord:
         self._group, self._rank = group, rank
         self._peers = comm.world_size(group) > 1  # one rank alone pairs with nobody
         self.again: dict[int, Any] = {}  # units ever gathered again, by id
-        self.sent_again = 0.0  # bytes their AllGathers sent since the last step
+        self._one_gather: dict[int, float] = {}  # bytes one AllGather of such a unit sends
+        self.sent_again = 0.0  # bytes beyond the formula's since the last step
         self.sent_again_last_step = 0.0
         self.start()
         self._reset_check()
+        self.forget_forwards()
 
     def start(self) -> None:
         """A new forward's record (a root forward, or one below it with no backward due)."""
@@ -76,20 +98,53 @@ class CallRecord:
         """`u` runs (again) in this forward."""
         self.ran.add(id(u))
         self.calls[id(u)] += 1
+        grad = torch.is_grad_enabled()
+        self._all_calls.update((2 * self._position[id(u)] + grad).to_bytes(4, "little"))
         if not torch.is_grad_enabled():  # maybe inside a reentrant checkpoint, whose
             self.opaque.append(u)  # recomputation in backward gives it gradients
 
-    # -- AllGathers of forwards, and the check ---------------------------------------------
+    # -- AllGathers again, and the check ---------------------------------------------------
     def _reset_check(self) -> None:
         self._hash = hashlib.blake2b(digest_size=SIGNATURE_BITS // 8)
-        self.regathered: list[tuple[str, int]] = []  # (unit, call) gathered again
+        self.regathered: list[tuple[str, str]] = []  # (unit, which call) gathered again
 
-    def gathered_again(self, u: Any, sent: float) -> None:
-        """`u`'s call in this forward gathered it again, sending `sent` bytes."""
-        self.regathered.append((u.name, self.calls[id(u)]))
-        self._hash.update(self._position[id(u)].to_bytes(4, "little"))
+    def gather_again(self, u: Any, unshard: Callable[[], None], backward: bool) -> None:
+        """Gather `u` again (`unshard` launches its AllGathers on the group of their own):
+        for its current call in this forward, or (`backward`) for a call's backward."""
+        before = sum(comm.stats.bytes_sent.values())
+        unshard()
+        sent = sum(comm.stats.bytes_sent.values()) - before
+        where = "a call's backward" if backward else f"call {self.calls[id(u)]} in a forward"
+        self.regathered.append((u.name, where))
+        self._hash.update((2 * self._position[id(u)] + backward).to_bytes(4, "little"))
         self.again[id(u)] = u
+        self._one_gather[id(u)] = sent
+        if not backward:
+            self.apart[id(u)] = u
         self.sent_again += sent
+
+    def begin_backward(self, expected: Sequence[int], device: torch.device) -> set[int]:
+        """The units (by id) this backward gathers per call, apart from the schedule's
+        order: those gathered again in a forward since the last backward, when every rank
+        made the same calls in those forwards and expects gradients (`expected`: how
+        many, per unit of the order) for the same units; none otherwise. The formula
+        counts one AllGather of each in a backward: not beyond it."""
+        if not self.apart:
+            return set()
+        if self._peers:
+            for n in expected:
+                self._all_calls.update(n.to_bytes(8, "little"))
+            if not self._agree(self._all_calls, "fsdp call check", device):
+                return set()
+        for key in self.apart:
+            self.sent_again -= self._one_gather[key]
+        return set(self.apart)
+
+    def forget_forwards(self) -> None:
+        """A backward ended, or a forward without grad with none due: no unit apart, no
+        call recorded."""
+        self.apart: dict[int, Any] = {}  # gathered again in a forward since the last backward
+        self._all_calls = hashlib.blake2b(digest_size=SIGNATURE_BITS // 8)  # every call
 
     def end_step(self) -> None:
         self.sent_again_last_step, self.sent_again = self.sent_again, 0.0
@@ -100,18 +155,23 @@ class CallRecord:
         if not self.regathered or not self._peers:
             self._reset_check()
             return
-        digest = int.from_bytes(self._hash.digest(), "little")
-        bits = torch.tensor([(digest >> i) & 1 for i in range(SIGNATURE_BITS)], dtype=torch.float32)
-        bits = bits.to(device)
-        comm.all_reduce(bits, tag="gather_check", account=False, group=self._group).wait()
-        n = comm.world_size(self._group)
-        # every bit summed over the ranks is 0 or n exactly when all hashes agree
-        agree = host.item(((bits == 0) | (bits == n)).all(), "fsdp gather check")
+        agree = self._agree(self._hash, "fsdp gather check", device)
         mine = self.regathered
         self._reset_check()
         if agree:
             return
         raise ConfigError(_mismatch(comm.all_gather_object(mine, group=self._group)))
+
+    def _agree(self, signature: Any, what: str, device: torch.device) -> bool:
+        """Whether every rank's `signature` (a blake2b hash) is the same: one AllReduce of
+        its bits over the shard group and one host read."""
+        digest = int.from_bytes(signature.digest(), "little")
+        bits = torch.tensor([(digest >> i) & 1 for i in range(SIGNATURE_BITS)], dtype=torch.float32)
+        bits = bits.to(device)
+        comm.all_reduce(bits, tag="gather_check", account=False, group=self._group).wait()
+        n = comm.world_size(self._group)
+        # every bit summed over the ranks is 0 or n exactly when all hashes agree
+        return bool(host.item(((bits == 0) | (bits == n)).all(), what))
 
     @contextlib.contextmanager
     def timeouts(self) -> Iterator[None]:
@@ -121,10 +181,10 @@ class CallRecord:
         except RuntimeError as e:
             if not self.regathered or "timed out" not in str(e).lower():
                 raise
-            unit, call = self.regathered[-1]
+            unit, where = self.regathered[-1]
             raise PeerError(
-                f"fsdp: rank {self._rank} gathered unit {unit!r} again (call {call} in a "
-                "forward) and no peer answered within dist.timeout_s: a rank that calls "
+                f"fsdp: rank {self._rank} gathered unit {unit!r} again ({where}) and no "
+                "peer answered within dist.timeout_s: a rank that calls "
                 "weight-shared units more often than its peers under "
                 "reshard_after_forward=true waits so (unless a peer stopped). Call them "
                 "alike on every rank, or set mode.reshard_after_forward=false"
@@ -150,7 +210,7 @@ def reached_leaves(outputs: Sequence[torch.Tensor]) -> set[int]:
     return reached
 
 
-def _mismatch(everyone: list[list[tuple[str, int]]]) -> str:
+def _mismatch(everyone: list[list[tuple[str, str]]]) -> str:
     """One line: the first unit gathered again a different number of times on some ranks
     (or, as often everywhere, in another order), and each rank's count."""
     counts = [Counter(u for u, _ in calls) for calls in everyone]
@@ -196,3 +256,24 @@ def gathered_again(
         ran.add(i)
         full.add(i)
     return dict(again)
+
+
+def gathered_again_in_backward(
+    calls: Sequence[tuple[str, str]], units: Sequence[str], gathers: set[int]
+) -> dict[int, int]:
+    """AllGathers beyond the formula's one per unit, by unit index, that the backward of a
+    root forward making `calls` issues (as `gathered_again`, whose units it gathers per
+    call): each call's backward, in the reverse order of the calls' outputs, gathers such
+    a unit unless it is still gathered, that is unless no other unit with parameters to
+    gather started its backward since its last call's. Every call is taken to have a
+    backward (a call under no_grad has none: the run then gathers less)."""
+    apart = gathered_again(calls, units, gathers)
+    index = {name: i for i, name in enumerate(units) if i and i in gathers}
+    order = [index[name] for event, name in reversed(calls) if event == "post" and name in index]
+    gathered: Counter[int] = Counter()
+    previous = None
+    for i in order:
+        if i in apart and i != previous:
+            gathered[i] += 1
+        previous = i
+    return {i: n - 1 for i, n in gathered.items() if n > 1}

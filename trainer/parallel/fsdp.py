@@ -242,6 +242,11 @@ class FSDPEngine(Engine):
         self._record = CallRecord(self.units, self.mesh.shard, self.rank)
         self._top: _Unit | None = None  # the unit whose forward runs outermost, if any
         self._pending: _Unit | None = None  # ran last, freed when another unit starts
+        # gathered per call in this backward, by id; the one of them whose call's backward
+        # ran last, freed when another unit's starts ([Note: a unit called again after
+        # another] in calls.py)
+        self._apart: list[_Unit] = []
+        self._back_pending: _Unit | None = None
         # Parameters the forward's outputs reach since the last backward (by id)
         self._expected: set[int] = set()
         self._expect_fresh = True
@@ -286,6 +291,12 @@ class FSDPEngine(Engine):
         with self._record.timeouts():
             for buf in u.flat_buffers:
                 buf.free()
+
+    def _gather_again(self, u: _Unit, backward: bool) -> None:
+        """Gather `u` on the group of its own unless it is gathered: for a later call in
+        a forward, or a call's backward ([Note: a unit called again after another])."""
+        if not u.is_full:
+            self._record.gather_again(u, lambda: self._unshard(u, again=True), backward)
 
     # -- forward ---------------------------------------------------------------------------
     # [Note: freeing after forward]
@@ -336,7 +347,9 @@ class FSDPEngine(Engine):
                     f"(unit {u.name!r} recomputed after its gradients were reduced: reentrant "
                     "checkpointing?); fsdp needs use_reentrant=False"
                 )
-            if u is not self.root:
+            if u in self._apart:
+                self._gather_again(u, backward=True)  # unless its pre-backward gathered it
+            elif u is not self.root:
                 self._schedule.before_backward(u)  # a no-op when its pre-backward gathered it
             self._wait(u)
             comm.record("recompute_begin", u.tag)
@@ -353,12 +366,10 @@ class FSDPEngine(Engine):
             if u.flat_buffers and self._pending not in (None, u):  # [Note: freeing after forward]
                 self._reshard(self._pending)
                 self._pending = None
-            again = id(u) in self._record.ran and not u.is_full
+            again = id(u) in self._record.ran
             self._record.call(u)
             if again:  # freed since its last call: [Note: a unit called again after another]
-                before = sum(comm.stats.bytes_sent.values())
-                self._unshard(u, again=True)
-                self._record.gathered_again(u, sum(comm.stats.bytes_sent.values()) - before)
+                self._gather_again(u, backward=False)
             self._schedule.before_forward(u)  # catch up, u, prefetch
         self._wait(u)
         comm.record("forward_begin", u.tag)
@@ -394,6 +405,8 @@ class FSDPEngine(Engine):
             if u is self.root or self._expect_fresh:  # no backward needs them: free all now
                 for v in self.units:
                     self._reshard(v)
+                if self._expect_fresh:
+                    self._record.forget_forwards()
                 self._record.check(self.device)  # no backward follows to check after
             return
         if self.reshard_after_forward and u is self.root:  # skipped: freed as the ranks
@@ -428,13 +441,25 @@ class FSDPEngine(Engine):
                 v.expected = sum(id(p) in self._expected for p in v.params)
                 v.done = v.expected == 0
             self.root.expected = len(self.root.params)
+            # Units gathered again in forward are gathered per call, apart from the order,
+            # when the ranks' calls agree ([Note: a unit called again after another]).
+            expected = [v.expected for v in self._schedule.units]
+            apart = self._record.begin_backward(expected, self.device)
+            self._apart = [v for v in self._schedule.units if id(v) in apart]
+            self._schedule.reset_backward(apart)
         super()._begin_backward()
 
     def _pre_backward(self, u: _Unit) -> None:
         self._begin_backward()
         comm.record("backward_begin", u.tag)
+        if u.flat_buffers and self._back_pending not in (None, u):  # its call's backward ran
+            self._reshard(self._back_pending)
+            self._back_pending = None
         if u is self.root:
             self._schedule.start_backward()  # prefetches the last unit
+        elif u in self._apart:  # [Note: a unit called again after another] in calls.py
+            self._gather_again(u, backward=True)
+            self._back_pending = u
         else:
             self._schedule.before_backward(u)  # catch up, u, prefetch
         self._wait(u)
@@ -463,6 +488,8 @@ class FSDPEngine(Engine):
         u.done = True
         comm.record("grads_ready", u.tag)
         self._reshard(u)  # first: the full parameters are gone before its gradient buffer
+        if self._back_pending is u:
+            self._back_pending = None
         if not self._sync:
             # no_sync: full gradients stay on the module parameters and keep accumulating
             # over micro-batches (in the reduce dtype when the parameters compute in a
@@ -500,6 +527,8 @@ class FSDPEngine(Engine):
             if not u.done:
                 self._grads_done(u)
         self._schedule.end_backward()
+        for u in reversed(self._apart):  # after the others, on every rank alike
+            self._turn(u)
         if self._sync:
             self._reduce(self.root)
         flags = self._reducer.finish()
@@ -515,6 +544,8 @@ class FSDPEngine(Engine):
         self._arrived.clear()
         self._expect_fresh = True  # the next forward's graph says what the next backward gets
         self._top = None
+        self._apart, self._back_pending = [], None
+        self._record.forget_forwards()
         self._schedule.reset_backward()
         self._record.check(self.device)  # before any gradient reaches the optimizer
 
@@ -529,10 +560,13 @@ class FSDPEngine(Engine):
 
     def working_set_bytes(self) -> int:
         """Full params (their dtype) and grads (reduce dtype) of the root unit, gathered
-        from forward through backward; the full params of every unit gathered again for a
-        later call so far, kept across its calls' backwards ([Note: a unit called again
-        after another] in calls.py); and of the two largest other units' params and grads
-        (one computing, one prefetched or being reduced; grads only for a unit kept)."""
+        from forward through backward; of the two largest other units' params and grads
+        (one computing, one prefetched or being reduced); and for the units gathered
+        again for a later call so far ([Note: a unit called again after another] in
+        calls.py), the full params of the two largest (one at a time, two in a
+        recomputed region holding both) and every one's grads, reduced after the others
+        (ranks whose calls differ keep them gathered across their calls' backwards, and
+        may hold more)."""
 
         def full(u: _Unit) -> tuple[int, int]:  # bytes of its full params, of its grads
             params = sum(b.layout.padded_numel * b.full.element_size() for b in u.flat_buffers)
@@ -540,12 +574,10 @@ class FSDPEngine(Engine):
             return params, grads
 
         again = self._record.again
-        kept = sum(full(u)[0] for u in again.values())
-        others = sorted(
-            (full(u)[1] + (0 if id(u) in again else full(u)[0]) for u in self.units[1:]),
-            reverse=True,
-        )
-        return sum(full(self.root)) + kept + sum(others[:2])
+        shared = sorted((full(u) for u in again.values()), reverse=True)
+        others = sorted((sum(full(u)) for u in self.units[1:] if id(u) not in again), reverse=True)
+        shared_params = sum(sorted((params for params, _ in shared), reverse=True)[:2])
+        return sum(full(self.root)) + shared_params + sum(g for _, g in shared) + sum(others[:2])
 
     def traffic_beyond_formula(self) -> float:
         return self._record.sent_again_last_step  # the last step's extra AllGathers

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 # [Note: one collective order on every rank]
@@ -24,6 +24,10 @@ from typing import Any
 #             ReduceScatter only once the unit's gradients are done; a unit this rank
 #             gives no gradient is done from the start of backward (the engine knows which
 #             from the forward's autograd graph) and is reduced as zeros at its turn.
+#             Units gathered again in a forward (weight sharing) are left out of this
+#             order: each call's backward gathers them on a group of their own, and they
+#             are reduced after the others, before the root ([Note: a unit called again
+#             after another] in calls.py).
 # Waiting is then safe: every rank waits only for collectives it issued itself, and all
 # ranks issue the same collectives in the same order, so the oldest collective that any
 # rank waits for has been issued by every rank. In particular fsdp's bounded number of
@@ -55,8 +59,14 @@ class Schedule:
         self._fwd = 0  # next unit to gather in this forward
         self.reset_backward()
 
-    def reset_backward(self) -> None:
-        last = len(self.units) - 1
+    def reset_backward(self, apart: Collection[int] = ()) -> None:
+        """The next backward's order: every unit but those in `apart` (by id), which the
+        engine gathers for each call and reduces after the others ([Note: a unit called
+        again after another] in calls.py). The ranks leave out the same units: those they
+        gathered again in forward, which they compare."""
+        self._back = [u for u in self.units if id(u) not in apart]
+        self._back_position = {id(u): i for i, u in enumerate(self._back)}
+        last = len(self._back) - 1
         self._bwd = last  # next unit to gather, backwards
         self._rs = last  # next unit to reduce, backwards
         self._want = last + 1  # gather down to this unit when the order allows
@@ -84,13 +94,13 @@ class Schedule:
     # -- backward: one sequence of events ------------------------------------------------------
     def start_backward(self) -> None:
         """The root's backward begins: prefetch the last unit."""
-        self._want = min(self._want, len(self.units) - 1)
+        self._want = min(self._want, len(self._back) - 1)
         self.advance()
 
     def before_backward(self, u: Any) -> None:
         """`u`'s backward (or its recomputation) is about to run: `u` is needed now, the
         unit before it is prefetched."""
-        i = self._position[id(u)]
+        i = self._back_position[id(u)]
         self._want = min(self._want, i - 1)
         self.advance(need=i)
 
@@ -106,15 +116,15 @@ class Schedule:
         that runs every unit); and down to `need` whatever the order."""
         while True:
             k = self._rs
-            if k >= 0 and self.units[k].done and (k == 0 or self._bwd < k - 1):
-                self._reduce(self.units[k])
+            if k >= 0 and self._back[k].done and (k == 0 or self._bwd < k - 1):
+                self._reduce(self._back[k])
                 self._rs -= 1
                 continue
             j = self._bwd
             forced = need is not None and j >= need
-            due = j >= self._want and (j >= len(self.units) - 2 or self._rs <= j + 1)
+            due = j >= self._want and (j >= len(self._back) - 2 or self._rs <= j + 1)
             if j >= 0 and (forced or due):
-                self._unshard(self.units[j])
+                self._unshard(self._back[j])
                 self._bwd -= 1
                 continue
             return
