@@ -81,7 +81,7 @@ def train_in_group(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
 
 
 def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
-    start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
+    start = run.start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
     if run.guard.check(preempt.requested())[1]:  # signalled during set-up: stop here
         raise preempt.Stopped.before_training(preempt.signal_name(), start)
     run.bar.update(start)
@@ -166,6 +166,7 @@ class Run:
     guard: Guard  # non-finite losses and stop requests (guard.py)
     every: Every  # the step counts of the config
     hooks: ModelHooks  # what the model adds to a step ([Note: model hooks])
+    start: int = 0  # the step resumed from (0: none)
     skipped: int = 0  # steps skipped for a non-finite loss
     tokens_per_step: int = 0  # global tokens per step of a language model (0: not one)
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
@@ -425,11 +426,27 @@ def finish(run: Run) -> dict[str, Any]:
     if env.is_rank0:
         print(
             f"done: {_mode_label(cfg)} on {env.world_size} rank(s), step {final['step']}, "
-            f"loss {last.get('train/loss', float('nan')):.4f}, "
-            f"accuracy {last.get('train/accuracy', float('nan')):.3f}, "
-            f"{_rate(last.get('perf/samples_per_s', 0))} samples/s{_eval_line(run)} -> {run_dir}"
+            f"{_outcome(run, last)} -> {run_dir}"
         )
     return final
+
+
+def _outcome(run: Run, last: dict[str, float]) -> str:
+    """The done line's figures; where there are none, what happened instead: no step
+    ran (resumed at the last one: killed between its last save and its end), or every
+    one was skipped for a non-finite loss (train.on_nonfinite=skip)."""
+    if "train/loss" in last:
+        return (
+            f"loss {last['train/loss']:.4f}, accuracy {last['train/accuracy']:.3f}, "
+            f"{_rate(last.get('perf/samples_per_s', 0))} samples/s{_eval_line(run)}"
+        )
+    steps = run.every.steps
+    if run.start >= steps:
+        return f"resumed at step {run.start} = train.steps: nothing to train"
+    return (
+        f"no loss to show: the {steps - run.start} step(s) run were all skipped for a "
+        f"non-finite loss{_eval_line(run)}"
+    )
 
 
 def _rate(per_s: float) -> str:
@@ -474,7 +491,8 @@ def forward_backward(
 def _eval_line(run: Run) -> str:
     e = run.last_eval
     if "eval/perplexity" in e:
-        tokens = f", {run.last['perf/tokens_per_s']:.0f} tokens/s" if run.tokens_per_step else ""
+        rate = run.last.get("perf/tokens_per_s")
+        tokens = f", {rate:.0f} tokens/s" if run.tokens_per_step and rate is not None else ""
         return f"{tokens}, val loss {e['eval/loss']:.4f}, perplexity {e['eval/perplexity']:.2f}"
     return f", eval loss {e['eval/loss']:.4f}" if "eval/loss" in e else ""
 
