@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tb_events import layout
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -15,11 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def run_cli(args: list[str], nproc: int | None = 2, timeout: float = 240):
+def run_cli(args: list[str], nproc: int | None = 2, timeout: float = 240, env: dict | None = None):
     launcher = TORCHRUN + [f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
     # a rank that dies of a signal (SIGABRT from an uncaught C++ exception, SIGSEGV)
     # prints every thread's Python stack into stderr, which a failing test shows
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
     return subprocess.run(
         launcher + [str(ROOT / "train.py"), *args],
         capture_output=True,
@@ -101,3 +103,70 @@ def test_explicit_run_dir_is_honoured_by_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (target / "final_metrics.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+
+
+# ---------------------------------------------------------------------------------------
+# What a run says of itself: faults armed, nothing left to train
+
+
+@pytest.fixture(scope="module")
+def resumed_at_last_step(tmp_path_factory):
+    """A plain-python run of 2 steps with a fault armed that never fires (step 99), then
+    the same run again with resume=auto, as after a kill between its last checkpoint and
+    its end: it resumes at its last step."""
+    run_dir = tmp_path_factory.mktemp("resumed") / "run"
+    args = [
+        "model.hidden=16", "model.depth=1", "train.batch_size=16", "train.steps=2",
+        "train.log_every=1", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    first = run_cli(args, nproc=None, env={"SHARDTRAIN_FAULT": "0:99:kill"})
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_cli([*args, "resume=auto"], nproc=None)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return run_dir, first, again
+
+
+def test_a_run_with_faults_armed_says_so_first(resumed_at_last_step):
+    _, first, again = resumed_at_last_step
+    assert first.stdout.splitlines()[0] == (
+        "warning: fault injection is on, SHARDTRAIN_FAULT=0:99:kill: rank 0 SIGKILL after "
+        "step 99 (each every time its point is reached)"
+    )
+    assert "fault injection" not in again.stdout + again.stderr
+
+
+def test_a_run_resumed_at_its_last_step_says_there_was_nothing_to_train(resumed_at_last_step):
+    run_dir, _, again = resumed_at_last_step
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_000002'} at step 2" in again.stdout
+    [done] = [line for line in again.stdout.splitlines() if line.startswith("done:")]
+    assert done == (
+        f"done: ddp on 1 rank(s), step 2, resumed at step 2 = train.steps: nothing to train "
+        f"-> {run_dir}"
+    )
+
+    def no_nan(constant: str):
+        raise AssertionError(f"final_metrics.json holds {constant}")
+
+    final = json.loads((run_dir / "final_metrics.json").read_text(), parse_constant=no_nan)
+    assert "train/loss" not in final and final["step"] == 2
+    # TensorBoard holds the first run's two losses, finite, and nothing of the second
+    losses = scalars(run_dir)["train/loss"]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
+
+
+def test_the_done_line_says_why_it_shows_no_loss():
+    """Where no interval logged a loss: every step run was skipped for a non-finite loss
+    (train.on_nonfinite=skip), or none ran (resumed at the last step)."""
+    from types import SimpleNamespace
+
+    from trainer.run.loop import _outcome
+
+    run = SimpleNamespace(every=SimpleNamespace(steps=6), start=2, last={}, last_eval={})
+    run.tokens_per_step = 64
+    assert _outcome(run, {"train/tokens_seen": 384.0}) == (
+        "no loss to show: the 4 step(s) run were all skipped for a non-finite loss"
+    )
+    run.last_eval = {"eval/loss": 2.5, "eval/perplexity": 12.18}  # no rate logged: none shown
+    assert _outcome(run, {}).endswith("non-finite loss, val loss 2.5000, perplexity 12.18")
+    run.start = 6
+    assert _outcome(run, {}) == "resumed at step 6 = train.steps: nothing to train"

@@ -7,19 +7,29 @@ AllGathers and ReduceScatters on every rank ([Note: one collective order on ever
 in trainer/parallel/schedule.py), or the ranks' collectives pair up wrongly: a hang, a
 Gloo abort, or (units of equal size) silently mixed weights.
 
-Two sweeps, each in one process group per world size:
-  * every position: a deep model (6 units), one unit skipped on the last rank, at every
-    position, and several units skipped on different ranks;
-  * random: seeded draws of models of 3 to 8 units of mixed sizes (LayerNorm or not, an
-    expansion or not), with activation checkpointing, frozen units and a weight tied
-    across units, trained for 3 steps of 2 micro-batches (the first under no_sync), each
-    rank and step drawing its own skips, consecutive repeats (`x = l(l(x))`), outputs
-    left out of the loss, layers run only in the no_sync micro-batch and layers called
-    again under no_grad (after frozen layers); and, every rank alike, a layer run alone
-    (forward, backward, step) between steps.
-A unit run again after another unit ran in between (`l1, l2, l1`) is refused by fsdp
-with reshard_after_forward=true on more than one rank: its second AllGather would have no
-partner on a rank that calls it once. That refusal is tested on its own, at the end.
+Every case trains through ddp, zero, fsdp (reshard_after_forward=true) and fsdp_keep
+(reshard_after_forward=false), 3 steps of 2 micro-batches (the first under no_sync), SGD,
+and compares every final weight with torch DDP on the same ranks and data. Two sweeps,
+each in one process group per world size (2 and 3):
+  * skip (`_skip_cases`): a deep model (6 units) with one unit skipped on the last rank,
+    at every position; several units skipped on different ranks; a checkpointed unit
+    skipped; another order of units on one rank; consecutive repeats (`x = l(l(x))`) on
+    one rank each; a layer called again under no_grad after a frozen one, on one rank
+    and on every rank; and, every rank alike, a layer run alone (forward, backward,
+    step) between steps, the last rank skipping a layer in the steps;
+  * random (`_random_case`, seeds 0-11): models of 3 to 8 units of mixed sizes
+    (LayerNorm or not, an expansion or not), with activation checkpointing, frozen units
+    and a weight tied across units, each rank, step and micro-batch drawing its own
+    skips (a layer may run in the no_sync micro-batch only), consecutive repeats,
+    outputs left out of the loss and layers called again under no_grad; a unit called
+    again after another one (`l1, l2, l1`, weight sharing), every rank alike; and a
+    layer run alone between steps. Seeds 100-102 call a unit again on one rank only:
+    every mode but fsdp trains them (fsdp is left out there).
+A unit called again after another, the ranks' calls differing, stops fsdp with
+reshard_after_forward=true on every rank before any step: a one-line ConfigError from
+the gather check when the ranks gather as often, a PeerError naming the unit on the
+rank that gathered once more when its wait times out; every other mode trains it as
+torch DDP. That is tested on its own, at the end.
 
 Hangs and tolerances: [Note: hangs and tolerances] beside _check.
 """

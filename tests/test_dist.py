@@ -71,18 +71,39 @@ def test_nccl_init_keeps_the_users_error_handling(fake_gpu, monkeypatch):
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        "NCCL communicator was aborted on rank 1. Original reason for failure was: ...",
-        "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, ...)",
-        "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 600000ms for recv",
-    ],
+# What each backend raises when a peer stops answering ([Note: NCCL timeouts]): NCCL's
+# main thread after the watchdog aborted the communicator (TORCH_NCCL_ASYNC_ERROR_HANDLING=2),
+# the watchdog's own text, and Gloo's wait.
+NCCL_ABORTED = (
+    "NCCL communicator was aborted on rank 1. Original reason for failure was: [Rank 1] "
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, "
+    "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600021 milliseconds before timing out."
 )
+NCCL_WATCHDOG = "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, ...)"
+GLOO_TIMEOUT = "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 600000ms for recv"
+
+
+@pytest.mark.parametrize("text", [NCCL_ABORTED, NCCL_WATCHDOG, GLOO_TIMEOUT])
 def test_peer_timeouts_become_one_line(text):
     failure = tdist.peer_failure(RuntimeError(text), 600)
-    assert isinstance(failure, PeerError)
+    assert isinstance(failure, PeerError) and "\n" not in str(failure)
     assert "no answer from the other ranks within dist.timeout_s=600 s" in str(failure)
+    assert "a rank has stopped responding" in str(failure)
+    # NCCL's line says what NCCL did (its watchdog, not the waiting call, timed out)
+    nccl = "NCCL's watchdog timed out a collective and aborted the communicator"
+    assert (nccl in str(failure)) == (text != GLOO_TIMEOUT), str(failure)
+
+
+def test_an_nccl_abort_for_another_reason_is_not_called_a_timeout():
+    text = (
+        "NCCL communicator was aborted on rank 0. Original reason for failure was: NCCL "
+        "error: remote process exited or there was a network error\nLast error: ..."
+    )
+    failure = tdist.peer_failure(RuntimeError(text), 600)
+    assert isinstance(failure, PeerError) and "\n" not in str(failure)
+    assert "dist.timeout_s" not in str(failure)
+    assert str(failure).startswith("rank 0: NCCL aborted the communicator after an error (")
+    assert "remote process exited" in str(failure)
 
 
 def test_other_errors_are_not_peer_failures():

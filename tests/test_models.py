@@ -172,3 +172,103 @@ def test_torchvision_data_confs_read_root_from_env(monkeypatch, tmp_path):
             instantiate(cfg.data.dataset)
         assert isinstance(info.value.__cause__, ConfigError)
         assert "data.download=true" in str(info.value.__cause__)
+
+
+# ---------------------------------------------------------------------------------------
+# What a model adds to a step ([Note: model hooks] in trainer/models/hooks.py)
+
+
+def test_the_loop_imports_no_model_family():
+    """trainer/run/loop.py imports nothing of trainer.models.builtin and names none of
+    GPT-MoE's own functions or figures: what a model adds comes through its hooks."""
+    import ast
+
+    import trainer.run.loop as loop
+
+    tree = ast.parse(Path(loop.__file__).read_text())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and m.startswith("trainer.models.builtin") for m in modules), modules
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    moe = {"aux_loss", "update_expert_bias", "expert_loads", "moe_figures", "GPTMoE", "MoE"}
+    assert not names & moe, names & moe
+    texts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
+    assert not [t for t in texts if isinstance(t, str) and t.startswith("moe/")]
+
+
+def test_model_hooks_are_looked_up_on_the_class():
+    """A submodule or tensor named like a hook is not one; a model without hooks gets
+    ones that do nothing."""
+    from trainer.models.hooks import model_hooks
+
+    model = nn.Module()
+    model.after_step = nn.Linear(1, 1)  # a submodule that happens to share the name
+    model.extra_loss = torch.ones(())
+    hooks = model_hooks(model)
+    assert hooks.extra_loss() is None and hooks.figures() == {}
+    hooks.after_step(True)
+    assert hooks.figures_to_log({"a": 1.0}) == {"a": 1.0}
+
+
+# Tiny transformers MoE causal LMs, each keeping its router-loss coefficient elsewhere:
+# Mixtral and Qwen2-MoE in the config and on the model (router_aux_loss_coef), JetMoe as
+# the model's and the config's aux_loss_coef.
+HF_MOE = {
+    "mixtral": dict(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        router_aux_loss_coef=0.01,
+    ),
+    "qwen2_moe": dict(
+        hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+    ),
+    "jetmoe": dict(
+        hidden_size=16, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, aux_loss_coef=0.03,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(HF_MOE))
+def test_hf_moe_trains_the_loss_hf_computes_with_labels(model_type):
+    """model=hf MoE with output_router_logits: the loss the loop trains (cross entropy
+    plus the model's extra loss) is the one transformers returns given labels, router
+    loss times the model's own coefficient included, with its gradients."""
+    from trainer.models.hooks import model_hooks
+    from trainer.models.lm import hf_causal_lm
+
+    config = {**HF_MOE[model_type], "model_type": model_type, "vocab_size": 32}
+    config.update(max_position_embeddings=16, output_router_logits=True)
+    torch.manual_seed(0)
+    model = hf_causal_lm(config=config)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    # HF predicts labels[:, 1:] from the logits before them; the loop's targets are the
+    # next tokens, the last position left out (-100, as HF pads its shifted labels)
+    y = torch.cat([x[:, 1:], torch.full((2, 1), -100)], dim=1)
+    extra = model_hooks(model).extra_loss
+    ours = loss_fn(model(x), y) + extra()
+    ours.backward()
+    ours_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    want = model.hf(input_ids=x, labels=x, use_cache=False)
+    assert want.aux_loss is not None and extra() is not None
+    want.loss.backward()
+    # The same operations but for HF's cross entropy (a sum over the targets, divided by
+    # their count, where loss_fn takes the mean): a few fp32 roundings of numbers about 3.
+    torch.testing.assert_close(ours, want.loss, rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(ours_grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_hf_moe_router_loss_without_a_coefficient_is_refused():
+    from trainer.models.lm import hf_causal_lm
+
+    config = {**HF_MOE["mixtral"], "model_type": "mixtral", "vocab_size": 32}
+    model = hf_causal_lm(config={**config, "output_router_logits": True})
+    model.router_loss_coef = None  # as for a model keeping it under another name
+    with pytest.raises(ConfigError, match="mixtral: its forward returns a router loss"):
+        model(torch.zeros(1, 4, dtype=torch.long))

@@ -186,8 +186,91 @@ def _decay_groups(env, mode: str):
     return {"state": engine.full_state_dict(), "groups": groups}
 
 
-def _all_features(env) -> dict:
-    out = {}
+# ---------------------------------------------------------------------------------------
+# A model's hooks ([Note: model hooks] in trainer/models/hooks.py), through the loop itself
+
+
+class Hooked(MLP):
+    """An MLP with every hook. Its extra loss is `knob`, a parameter of its own that
+    nothing else uses: knob's gradient is 1 exactly, and only if the loop adds the extra
+    loss to the loss it backpropagates. The HUGE_AT-th extra loss is HUGE x knob (its
+    gradient, HUGE x the loss scale / 2, overflows fp16: a step skipped on the device),
+    the NAN_AT-th is nan (a step the loop skips for a non-finite loss).
+    after_step records each flag."""
+
+    last: Hooked | None = None  # the latest built, for the test to read
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.knob = nn.Parameter(torch.zeros(1))
+        self.extra_losses = 0  # how often the loop asked for the extra loss
+        self.after_steps: list[tuple[int, bool | torch.Tensor]] = []
+        Hooked.last = self
+
+    def extra_loss(self) -> torch.Tensor:
+        self.extra_losses += 1
+        factor = {HOOKED_HUGE_AT: HOOKED_HUGE, HOOKED_NAN_AT: float("nan")}
+        # in fp32: HUGE x knob is finite there (the loss is), its fp16 gradient is not
+        return factor.get(self.extra_losses, 1.0) * self.knob.float().sum()
+
+    def after_step(self, stepped: bool | torch.Tensor) -> None:  # kept unread: no host sync
+        flag = stepped.clone() if isinstance(stepped, torch.Tensor) else stepped
+        self.after_steps.append((self.extra_losses, flag))
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        return {"hooked/knob": self.knob.detach().sum()}
+
+    def figures_to_log(self, means: dict[str, float]) -> dict[str, float]:
+        return {"hooked/knob_x2": 2 * means["hooked/knob"]}
+
+
+# 6 steps of 2 micro-batches in fp16, loss scale 2^10: knob's scaled gradient is 2^9 per
+# micro-batch (the others', below 1 unscaled, stay far from fp16's 65504). Step 2's first
+# micro-batch (the 3rd extra loss) is HUGE x knob: its gradient overflows, the step is
+# skipped on the device and the scale halved. Step 4's first (the 7th) is nan: the loop
+# skips that step. The other four are taken.
+HOOKED_HUGE, HOOKED_HUGE_AT, HOOKED_NAN_AT = 1e6, 3, 7
+HOOKED_STEPS, HOOKED_ACCUM = 6, 2
+HOOKED_TAKEN = [True, False, True, False, True, True]
+HOOKED_ARGS = [
+    "model._target_=test_training_features.Hooked",
+    "model.hidden=16",
+    "model.depth=2",
+    "train.meta_build=false",  # knob is a parameter of the root, which no init re-runs
+    "precision=fp16",
+    "loss_scale.init_scale=1024",
+    "optim=sgd",
+    "optim.lr=0.01",
+    f"train.steps={HOOKED_STEPS}",
+    f"train.grad_accum_steps={HOOKED_ACCUM}",
+    "train.batch_size=8",
+    "train.log_every=3",
+    "train.eval_every=0",
+    "train.on_nonfinite=skip",
+    "train.save_final=false",
+]
+
+
+def _hooked(env, run_root: str) -> dict:
+    """The trainer's own loop (train_in_group) on Hooked, in fp16 with ddp."""
+    from pathlib import Path
+
+    from trainer.run import loop as trainer_loop
+
+    cfg = _cfg(*HOOKED_ARGS)
+    shared = trainer_loop.shared_run_dir  # no Hydra run here: the run directory is ours
+    trainer_loop.shared_run_dir = lambda env: Path(run_root) / "hooked"
+    try:
+        final = trainer_loop.train_in_group(cfg, env)
+    finally:
+        trainer_loop.shared_run_dir = shared
+    model = Hooked.last
+    flags = [(n, bool(f)) for n, f in model.after_steps]  # read now, after the run
+    return {"final": final, "after_steps": flags, "knob": model.knob.detach().clone()}
+
+
+def _all_features(env, run_root: str) -> dict:
+    out = {"hooked": _hooked(env, run_root)}
     for mode in MODES:
         out[mode] = {
             "accumulate": _accumulate(env, mode),
@@ -201,8 +284,9 @@ def _all_features(env) -> dict:
 
 
 @pytest.fixture(scope="module", params=[1, 2])
-def ranks(request):
-    return request.param, run_distributed(_all_features, request.param, timeout=300)
+def ranks(request, tmp_path_factory):
+    run_root = str(tmp_path_factory.mktemp(f"features_p{request.param}"))
+    return request.param, run_distributed(_all_features, request.param, run_root, timeout=300)
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,6 +329,33 @@ def _decayed() -> dict:
 
 # ---------------------------------------------------------------------------------------
 # Tests
+
+
+def test_the_loop_calls_a_models_hooks_once_per_step_with_its_flag(ranks):
+    """[Note: model hooks]: the loop adds the model's extra loss to the loss it
+    backpropagates, and calls after_step once per step, after that step's micro-batches,
+    with the step's flag: fp16's device flag (False on an overflow), False for a step
+    skipped for a nan loss. TensorBoard gets figures_to_log of the mean of figures."""
+    world, results = ranks
+    want = [(HOOKED_ACCUM * (i + 1), taken) for i, taken in enumerate(HOOKED_TAKEN)]
+    # knob's steps: SGD with momentum (torch's update, written out) on a gradient of 1
+    # exactly (powers of two throughout), on the taken steps only
+    knob, buf = torch.zeros(1), torch.ones(1)
+    for i in range(sum(HOOKED_TAKEN)):
+        buf = buf if i == 0 else buf * 0.9 + 1.0
+        knob = knob - 0.01 * buf
+    for r in results:
+        got = r["hooked"]
+        assert got["after_steps"] == want
+        assert got["final"]["overflow_steps"] == 1 and got["final"]["skipped_steps"] == 1
+        # The module holds fp16 copies of the fp32 masters: within half an fp16 ulp
+        # (2^-11 relative) of the master, which the engine's fused SGD may round apart
+        # from these few fp32 operations by a few fp32 ulps (~1e-7): one fp16 ulp bounds
+        # both.
+        torch.testing.assert_close(got["knob"].float(), knob, rtol=2**-10, atol=0)
+    final = results[0]["hooked"]["final"]
+    assert "hooked/knob" not in final  # what figures_to_log made of it, instead
+    assert final["hooked/knob_x2"] == 2 * results[0]["hooked"]["knob"].item()
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,7 +1,8 @@
 """Fault injection for tests and scripts/chaos.py: kill, stall, stop or damage a rank at
 chosen points of training or of a checkpoint save ([Note: fault injection]).
 
-    faults.check(world_size)           # before joining the group: a bad schedule is refused
+    faults.check(world_size)           # before joining the group: a bad schedule is refused,
+                                       # a good one named in one line (rank 0)
     faults.fault("step", step, ckpt_dir)  # after each optimizer step (saving.maybe_save)
     faults.fault("save", step, path)   # halfway through writing a data file
     faults.fault("prune", step, path)  # removing a checkpoint that step's save prunes
@@ -41,7 +42,8 @@ from trainer.errors import ConfigError
 # SHARDTRAIN_FAULT_ONCE=DIR each entry fires at most once: it leaves a file in DIR when it
 # fires (`<index>-<rank>-<step>-<action>`, holding the time), so a group that torchrun
 # restarts meets the next fault of the schedule, not the same one again. (DIR an existing
-# file, the older single-fault form: nothing fires.)
+# file, the older single-fault form: nothing fires.) A run with SHARDTRAIN_FAULT set says
+# so in its first line, on rank 0 (`check`, before the group): each entry, those fired.
 
 FAULT_ENV, FAULT_ONCE_ENV = "SHARDTRAIN_FAULT", "SHARDTRAIN_FAULT_ONCE"
 POINTS = {
@@ -89,7 +91,8 @@ def parse(spec: str) -> tuple[Entry, ...]:
 
 
 def check(world_size: int) -> None:
-    """Refuse a bad SHARDTRAIN_FAULT, or one naming a rank this run does not have."""
+    """Refuse a bad SHARDTRAIN_FAULT, or one naming a rank this run does not have; on
+    rank 0 (torchrun's RANK), say in one line that faults are armed, and which."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -99,6 +102,39 @@ def check(world_size: int) -> None:
                 f"{FAULT_ENV}={spec!r}: entry {e.rank}:{e.step}:{e.action} names rank {e.rank}, "
                 f"but this run has ranks 0..{world_size - 1}"
             )
+    if int(os.environ.get("RANK", "0")) == 0:  # before the group: no rank to ask yet
+        print(describe(spec), flush=True)
+
+
+WHAT = {
+    "kill": "SIGKILL after step {}",
+    "hang": "hangs after step {}",
+    "term": "SIGTERM after step {}",
+    "corrupt": "damages the newest checkpoint after step {}, then SIGKILL",
+    "kill_in_save": "SIGKILL halfway through saving step {}",
+    "fail_in_save": "a failed write saving step {}",
+    "kill_in_prune": "SIGKILL halfway through a prune at step {}",
+}
+
+
+def describe(spec: str) -> str:
+    """One line naming the faults of `spec` and, under SHARDTRAIN_FAULT_ONCE, which of
+    them have fired already (a restarted group meets the rest)."""
+    once = os.environ.get(FAULT_ONCE_ENV)
+    fired = set()
+    if once and Path(once).is_dir():
+        fired = {p.name for p in Path(once).iterdir()}
+    entries = [
+        f"rank {e.rank} {WHAT[e.action].format(e.step)}" + (" (fired)" if e.marker in fired else "")
+        for e in parse(spec)
+    ]
+    if not once:
+        how = "each every time its point is reached"
+    elif Path(once).is_file():
+        how = f"none fires: {FAULT_ONCE_ENV}={once} is a file"
+    else:
+        how = f"each once, {FAULT_ONCE_ENV}={once}"
+    return f"warning: fault injection is on, {FAULT_ENV}={spec}: {'; '.join(entries)} ({how})"
 
 
 def armed() -> bool:

@@ -33,7 +33,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainer.models.builtin import aux_loss, loss_fn
+from trainer.models.hooks import model_hooks
+from trainer.models.loss import loss_fn
 from trainer.parallel.experts import balanced_routing
 from trainer.parallel.precision import Precision, cast_module
 
@@ -108,7 +109,7 @@ def measure_passes(
                 (inputs,) = precision.cast_in((x,))
                 del calls[:]
                 loss = loss_fn(precision.cast_out(model(inputs)), y)
-                aux = aux_loss(model)  # (), as the loop adds it
+                aux = model_hooks(model).extra_loss()  # (), as the loop adds it
                 loss = loss if aux is None else loss + aux
                 saved, forward = live.live, tuple(calls)
                 loss.backward()

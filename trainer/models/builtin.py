@@ -1,4 +1,5 @@
-"""Small models to train with every mode, plus the loss and metric the trainer uses.
+"""Small models to train with every mode (the loss and metric the trainer uses are in
+loss.py, imported here too).
 
 Each model keeps its repeated layers as separate submodules (a ModuleList of Linear
 layers, of conv blocks, of transformer `Block`s) because FSDP shards the model unit by
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer import comm
 from trainer.errors import ConfigError
+from trainer.models.loss import accuracy, loss_fn  # noqa: F401  (imported from here too)
 from trainer.parallel.experts import dispatch_combine, expert_counts
 
 GPT_TYPE = "shardtrain_gpt"  # config.json's model_type of our GPT (trainer/models/lm.py reads it)
@@ -341,7 +343,7 @@ class Experts(nn.Module):
 # with `bias_update_speed` γ > 0: each MoE layer keeps a bias per expert, `expert_bias`
 # (n,), added to the router's probabilities for the top-k choice only; the weights that
 # combine the experts' outputs are the probabilities themselves. At every optimizer step
-# (`update_expert_bias`, called by the loop after engine.step()) the rows routed to each
+# (`update_expert_bias`, from GPTMoE.after_step after engine.step()) the rows routed to each
 # expert since the last step are summed over all ranks (one AllReduce of n numbers per
 # layer) and the bias moves by γ · sign(mean - count): up for an underloaded expert, down
 # for an overloaded one. Every rank adds the same global counts to the same start (zeros),
@@ -425,9 +427,10 @@ class GPTMoE(GPT):
     """GPT with an MoE MLP in every `moe_every`-th block (the last of each group of
     `moe_every`: blocks moe_every-1, 2*moe_every-1, ...). The load-balancing losses of
     the MoE blocks, times `aux_loss_coef`, are summed into `aux_loss` at every forward;
-    the training loop adds it to the loss (trainer.models.aux_loss). `bias_update_speed`
-    > 0: DeepSeek-V3's aux-loss-free balancing besides ([Note: aux-loss-free load
-    balancing]; `aux_loss_coef=0` leaves it alone)."""
+    the training loop adds it to the loss (`extra_loss`, [Note: model hooks] in
+    trainer/models/hooks.py). `bias_update_speed` > 0: DeepSeek-V3's aux-loss-free
+    balancing besides ([Note: aux-loss-free load balancing]; `aux_loss_coef=0` leaves it
+    alone), updated after every step (`after_step`)."""
 
     def __init__(
         self,
@@ -478,6 +481,40 @@ class GPTMoE(GPT):
         self.aux_loss = self.aux_loss_coef * self._aux
         return logits
 
+    # What the training loop calls ([Note: model hooks] in trainer/models/hooks.py)
+
+    def extra_loss(self) -> Tensor | None:
+        """The latest forward's load-balancing loss, times its coefficient."""
+        return self.aux_loss
+
+    def after_step(self, stepped: bool | Tensor) -> None:
+        """The routing bias's update, if the model has one (a collective)."""
+        update_expert_bias(self, stepped)
+
+    def figures(self) -> dict[str, Tensor]:
+        """The latest aux loss and each MoE layer's share of rows per expert, on this rank
+        (device values; TensorBoard gets their mean over ranks)."""
+        out: dict[str, Tensor] = {}
+        if self.aux_loss is not None:
+            out["moe/aux_loss"] = self.aux_loss.detach()
+        for i, load in enumerate(expert_loads(self)):
+            out.update({f"moe/_load/{i}/{e}": v for e, v in enumerate(load)})
+        return out
+
+    def figures_to_log(self, means: dict[str, float]) -> dict[str, float]:
+        """moe/aux_loss (mean over ranks) and moe/load_max_over_mean: the busiest expert's
+        share of rows over the mean share (1: balanced), of the worst layer, each layer's
+        load averaged over the ranks first."""
+        out = {k: v for k, v in means.items() if not k.startswith("moe/_load/")}
+        by_layer: dict[str, list[float]] = {}
+        for k in sorted(k for k in means if k.startswith("moe/_load/")):
+            by_layer.setdefault(k.rsplit("/", 1)[0], []).append(means[k])
+        if by_layer:
+            out["moe/load_max_over_mean"] = max(
+                max(v) / (sum(v) / len(v)) for v in by_layer.values()
+            )
+        return out
+
     def _run_block(self, block: nn.Module, x: Tensor) -> Tensor:
         out = super()._run_block(block, x)
         if isinstance(block, MoEBlock):  # (B, T, C) and its load-balancing loss ()
@@ -524,12 +561,6 @@ def expert_loads(model: nn.Module) -> list[Tensor]:
     return [m.load for m in model.modules() if isinstance(m, MoE) and hasattr(m, "load")]
 
 
-def aux_loss(model: nn.Module) -> Tensor | None:
-    """The auxiliary loss a model's latest forward asks to be added to the training loss
-    (GPT-MoE's load balancing), or None."""
-    return getattr(model, "aux_loss", None)
-
-
 # --------------------------------------------------------------------------------------
 # torchvision
 
@@ -555,19 +586,3 @@ class _CheckpointedSequential(nn.Sequential):
         for block in self:
             x = checkpointed(block, x)
         return x
-
-
-# --------------------------------------------------------------------------------------
-# Loss and metric: one pair for classifiers (B, C)/(B,) and language models (B, T, V)/(B, T).
-
-
-def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross entropy over every prediction (every sample, or every token)."""
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())  # (N, C) vs (N,)
-
-
-@torch.no_grad()
-def accuracy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Fraction of predictions whose argmax is the target, as a 0-dim float tensor."""
-    pred = logits.flatten(0, -2).argmax(dim=-1)  # (N,)
-    return (pred == targets.flatten()).float().mean()

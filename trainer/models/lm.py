@@ -36,24 +36,41 @@ FINAL_DIR = "final_model"  # and model=hf's final model, as save_pretrained writ
 
 class CausalLM(nn.Module):
     """A transformers causal LM as the trainer's models are: ids (B, T) in, logits
-    (B, T, V) out. The HF model is `self.hf`; its state_dict keys gain the prefix `hf.`."""
+    (B, T, V) out. The HF model is `self.hf`; its state_dict keys gain the prefix `hf.`.
+
+    An MoE whose config asks for its router loss (`output_router_logits=True`) returns it
+    unscaled as `aux_loss`; the training loop adds it times the coefficient with which
+    the HF model adds it to its own loss given labels ([Note: model hooks] in hooks.py):
+    the loss trained is then the one `hf(input_ids, labels=...)` returns."""
 
     def __init__(self, hf: nn.Module) -> None:
         super().__init__()
         self.hf = hf
         self.weights_dir: Path | None = None  # where pretrained weights are to be read from
-        # An MoE's router loss of the latest forward, times its coefficient, when the
-        # config asks for it (output_router_logits): what HF adds to its loss with labels
+        self.router_loss_coef = router_loss_coef(hf)  # None: the model names none
+        # The router loss of the latest forward times its coefficient; None without one
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         out = self.hf(input_ids=idx, use_cache=False)
-        aux, coef = (
-            getattr(out, "aux_loss", None),
-            getattr(self.hf.config, "router_aux_loss_coef", 0),
-        )
+        aux, coef = getattr(out, "aux_loss", None), self.router_loss_coef
+        if aux is not None and coef is None:
+            raise ConfigError(
+                f"model=hf {self.hf.config.model_type}: its forward returns a router loss "
+                "(output_router_logits=true) but the model names no coefficient for it "
+                "(router_aux_loss_coef, aux_loss_coef); set model.config.output_router_logits"
+                "=false to train without it"
+            )
         self.aux_loss = coef * aux if aux is not None and coef else None
         return out.logits  # (B, T, V)
+
+    # What the training loop calls ([Note: model hooks] in trainer/models/hooks.py)
+
+    def extra_loss(self) -> torch.Tensor | None:
+        return self.aux_loss
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        return {} if self.aux_loss is None else {"moe/aux_loss": self.aux_loss.detach()}
 
     @property
     def block_size(self) -> int | None:
@@ -63,6 +80,21 @@ class CausalLM(nn.Module):
 
     def model_config(self) -> dict[str, Any]:
         return self.hf.config.to_dict()
+
+
+def router_loss_coef(hf: nn.Module) -> float | None:
+    """The coefficient with which a transformers MoE adds its router loss to its loss
+    given labels, where it keeps it: `router_aux_loss_coef` on the model (Mixtral,
+    Qwen2/3-MoE, OLMoE, DBRX, which reads it from ffn_config.moe_loss_weight, ...),
+    `aux_loss_coef` (JetMoe), else the config's or its text_config's
+    `router_aux_loss_coef`. None where there is none (a dense model)."""
+    config = getattr(hf, "config", None)
+    for owner in (hf, config, getattr(config, "text_config", None)):
+        for name in ("router_aux_loss_coef", "aux_loss_coef"):
+            value = getattr(owner, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+    return None
 
 
 def hf_causal_lm(

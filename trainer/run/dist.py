@@ -120,29 +120,51 @@ def _device_id(device: torch.device) -> torch.device | None:
 
 
 # [Note: NCCL timeouts]
-# Gloo raises in the waiting rank when a collective exceeds `dist.timeout_s`. NCCL does
-# not: collectives do not block the CPU, and ProcessGroupNCCL's watchdog thread finds the
-# timed-out work. By default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) it then takes the process
-# down from that thread: no Python exception, so the one-line "a rank has stopped
-# responding" error never printed. With 2 the watchdog only aborts the communicators: the
-# stuck kernels return, and the next NCCL call in the main thread raises "NCCL
-# communicator was aborted on rank N", which `peer_failure` turns into that line. A user's
-# own TORCH_NCCL_ASYNC_ERROR_HANDLING is kept. Untested on GPUs so far.
+# What a user sees when a rank stops answering (hung, killed without its socket closing,
+# waiting in another collective) depends on the backend:
+# - Gloo: every rank waiting on a collective with it raises in its main thread once the
+#   collective has waited `dist.timeout_s` ("Timed out waiting 600000ms for recv"), and
+#   `peer_failure` turns that into one line: "rank R: no answer from the other ranks
+#   within dist.timeout_s=600 s; a rank has stopped responding (...)".
+# - NCCL: collectives do not block the CPU, so no call times out in the main thread.
+#   ProcessGroupNCCL's watchdog thread finds the work that ran past `dist.timeout_s`.
+#   With TORCH_NCCL_ASYNC_ERROR_HANDLING=2, which `init` sets unless the user set it, the
+#   watchdog aborts the communicators: the stuck kernels return, and the rank's next NCCL
+#   call or wait raises "NCCL communicator was aborted on rank R. Original reason for
+#   failure was: [Rank R] Watchdog caught collective operation timeout: WorkNCCL(...) ran
+#   for 600000 milliseconds before timing out", which `peer_failure` turns into "rank R:
+#   no answer from the other ranks within dist.timeout_s=600 s: NCCL's watchdog timed
+#   out a collective and aborted the communicator; a rank has stopped responding (...)".
+#   That line comes when the main thread next touches NCCL, a little after the timeout.
+#   With torch's default, 3 (or 1), the watchdog ends the process itself (SIGABRT: no
+#   Python exception, no line of ours; NCCL's "Watchdog caught collective operation
+#   timeout ... we are taking the entire process down" is the last line in the log),
+#   and with 0 the run hangs. A communicator aborted for another reason (an NCCL error,
+#   a peer that died) is named as such, with NCCL's first line.
+# The NCCL paths are not run by the tests (one GPU cannot hold two NCCL ranks); the
+# texts matched are torch's (ProcessGroupNCCL.cpp), tests/test_dist.py feeds them in.
 NCCL_ERROR_HANDLING = "2"
 
-_PEER_TIMEOUT_TEXTS = ("timed out", "communicator was aborted", "watchdog caught")
+_STOPPED = "a rank has stopped responding (hung, or waiting in another collective)"
 
 
 def peer_failure(error: RuntimeError, timeout_s: float) -> PeerError | None:
     """The one-line error for a collective that failed because another rank stopped
-    answering (Gloo raises after `dist.timeout_s`; NCCL's aborted communicator, see
-    [Note: NCCL timeouts]) or died; None for other errors."""
+    answering or died, as each backend reports it ([Note: NCCL timeouts]); None for
+    other errors."""
     text, rank = str(error), dist.get_rank() if dist.is_initialized() else 0
-    if any(t in text.lower() for t in _PEER_TIMEOUT_TEXTS):
+    lowered = text.lower()
+    waited = f"rank {rank}: no answer from the other ranks within dist.timeout_s={timeout_s:g} s"
+    if "watchdog caught collective operation timeout" in lowered:  # NCCL
         return PeerError(
-            f"rank {rank}: no answer from the other ranks within dist.timeout_s={timeout_s:g} s; "
-            "a rank has stopped responding (hung, or waiting in another collective)"
+            f"{waited}: NCCL's watchdog timed out a collective and aborted the "
+            f"communicator; {_STOPPED}"
         )
+    if "communicator was aborted" in lowered:  # NCCL, for another reason than a timeout
+        first = text.strip().splitlines()[0][:300]
+        return PeerError(f"rank {rank}: NCCL aborted the communicator after an error ({first})")
+    if "timed out" in lowered:  # Gloo
+        return PeerError(f"{waited}; {_STOPPED}")
     if "closed by peer" in text or "reset by peer" in text:
         return PeerError(f"rank {rank}: lost the connection to another rank, which exited or died")
     return None

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from trainer.errors import ConfigError
-from trainer.models.builtin import loss_fn
+from trainer.models.loss import loss_fn
 from trainer.parallel import Engine
 
 

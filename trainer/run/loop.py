@@ -1,4 +1,6 @@
-"""The training loop. It talks to the engine interface only and never branches on mode."""
+"""The training loop. It talks to the engine interface only and never branches on the mode
+or the model family: what a model adds to a step comes through its hooks
+([Note: model hooks] in trainer/models/hooks.py)."""
 
 from __future__ import annotations
 
@@ -22,15 +24,10 @@ from trainer.data.text import codec_from_meta
 from trainer.data.tokens import read_meta
 from trainer.errors import ConfigError, TrainingError
 from trainer.models.build import data_dir, model_and_data
-from trainer.models.builtin import (
-    accuracy,
-    aux_loss,
-    expert_loads,
-    loss_fn,
-    update_expert_bias,
-)
 from trainer.models.compile import compile_layers
+from trainer.models.hooks import ModelHooks, model_hooks
 from trainer.models.lm import generate, positions, save_model_files
+from trainer.models.loss import accuracy, loss_fn
 from trainer.models.materialize import SeededInit, empty_weights
 from trainer.models.weights import Pretrained
 from trainer.observe import heap
@@ -84,7 +81,7 @@ def train_in_group(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
 
 
 def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
-    start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
+    start = run.start = checkpoint.maybe_resume(cfg, run.engine, run.run_dir, **run.resumable)
     if run.guard.check(preempt.requested())[1]:  # signalled during set-up: stop here
         raise preempt.Stopped.before_training(preempt.signal_name(), start)
     run.bar.update(start)
@@ -168,6 +165,8 @@ class Run:
     lr: float | torch.Tensor
     guard: Guard  # non-finite losses and stop requests (guard.py)
     every: Every  # the step counts of the config
+    hooks: ModelHooks  # what the model adds to a step ([Note: model hooks])
+    start: int = 0  # the step resumed from (0: none)
     skipped: int = 0  # steps skipped for a non-finite loss
     tokens_per_step: int = 0  # global tokens per step of a language model (0: not one)
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
@@ -262,7 +261,7 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     }
     run = Run(
         cfg, env, run_dir, owner, engine, scheduler, batches, eval_loader, writer, metrics,
-        bar, resumable, lr, Guard(env.device), Every.of(cfg),
+        bar, resumable, lr, Guard(env.device), Every.of(cfg), model_hooks(engine.module),
     )  # fmt: skip
     # As a step counts it, known before one runs: a run resumed at its last step (killed
     # between its last save and its end) runs none, and still reports its tokens seen.
@@ -281,11 +280,11 @@ def train_step(run: Run, step: int) -> None:
     engine, every = run.engine, run.every
     run.metrics.start_step()  # the interval's first step syncs once: [Note: timing steps]
     inputs, targets = (t.to(run.env.device, non_blocking=True) for t in next(run.batches))
-    loss, correct = forward_backward(engine, inputs, targets, every.grad_accum_steps)
+    loss, correct = forward_backward(engine, inputs, targets, every.grad_accum_steps, run.hooks)
     if every.skip_nonfinite:
         if not run.guard.finite_now(loss):
             engine.zero_grad()  # drop this step's gradients on every rank alike
-            update_expert_bias(engine.module, taken=False)  # and an MoE's routing counts
+            run.hooks.after_step(False)  # and what the model kept of it (an MoE's counts)
             run.skipped += 1
             return
     else:
@@ -295,7 +294,7 @@ def train_step(run: Run, step: int) -> None:
     # True, or False where fp16 gradients overflowed (no update, the loss scale lowered);
     # in fp16 a device flag, handed on unread ([Note: dynamic loss scaling])
     stepped = engine.step()
-    update_expert_bias(engine.module, stepped)  # an MoE's routing bias, if it has one
+    run.hooks.after_step(stepped)  # the model's own update (an MoE's routing bias)
     run.scheduler.step(stepped)  # counts taken steps only
     run.lr = if_taken(stepped, lr, run.lr)
     run.tokens_per_step = targets.numel() * run.env.world_size if targets.dim() > 1 else 0
@@ -347,15 +346,11 @@ def log_metrics(run: Run, step: int) -> None:
     latest = {"train/lr": run.lr}  # device values too: read with the metrics, at once
     if scaler.enabled:
         latest.update({"train/loss_scale": scaler.scale, "train/overflow_steps": scaler.skipped})
-    values = run.metrics.reduce(latest, averaged=moe_figures(run.engine.module))
+    figures = run.hooks.figures()  # the model's own (device values), mean over ranks
+    values = run.metrics.reduce(latest, averaged=figures)
     if values:  # rank 0, with at least one step that was not skipped
-        loads = sorted(k for k in values if k.startswith("moe/_load/"))
-        if loads:  # each layer's load averaged over ranks: its busiest expert over the mean
-            by_layer: dict[str, list[float]] = {}
-            for k in loads:
-                by_layer.setdefault(k.rsplit("/", 1)[0], []).append(values.pop(k))
-            worst = max(max(v) / (sum(v) / len(v)) for v in by_layer.values())
-            values["moe/load_max_over_mean"] = worst
+        if figures:
+            values.update(run.hooks.figures_to_log({k: values.pop(k) for k in figures}))
         shown = {"loss": f"{values['train/loss']:.4f}", "acc": f"{values['train/accuracy']:.3f}"}
         if run.tokens_per_step:
             values["train/tokens_seen"] = float(step * run.tokens_per_step)
@@ -365,19 +360,6 @@ def log_metrics(run: Run, step: int) -> None:
         run.last = {**{k: v for k, v in run.last.items() if "/peak_" in k}, **values}
         run.writer.scalars(values, step)
         run.bar.set_postfix(shown)
-
-
-def moe_figures(model: torch.nn.Module) -> dict[str, Any]:
-    """An MoE model's latest aux loss and per-expert loads (device values, averaged over
-    ranks by the metrics reduce): TensorBoard's moe/aux_loss and moe/load_max_over_mean,
-    the busiest expert's share of rows over the mean share (1: balanced), worst layer."""
-    out: dict[str, Any] = {}
-    aux = aux_loss(model)
-    if aux is not None:
-        out["moe/aux_loss"] = aux.detach()
-    for i, load in enumerate(expert_loads(model)):
-        out.update({f"moe/_load/{i}/{e}": v for e, v in enumerate(load)})
-    return out
 
 
 def run_eval(run: Run, step: int) -> None:
@@ -444,11 +426,27 @@ def finish(run: Run) -> dict[str, Any]:
     if env.is_rank0:
         print(
             f"done: {_mode_label(cfg)} on {env.world_size} rank(s), step {final['step']}, "
-            f"loss {last.get('train/loss', float('nan')):.4f}, "
-            f"accuracy {last.get('train/accuracy', float('nan')):.3f}, "
-            f"{_rate(last.get('perf/samples_per_s', 0))} samples/s{_eval_line(run)} -> {run_dir}"
+            f"{_outcome(run, last)} -> {run_dir}"
         )
     return final
+
+
+def _outcome(run: Run, last: dict[str, float]) -> str:
+    """The done line's figures; where there are none, what happened instead: no step
+    ran (resumed at the last one: killed between its last save and its end), or every
+    one was skipped for a non-finite loss (train.on_nonfinite=skip)."""
+    if "train/loss" in last:
+        return (
+            f"loss {last['train/loss']:.4f}, accuracy {last['train/accuracy']:.3f}, "
+            f"{_rate(last.get('perf/samples_per_s', 0))} samples/s{_eval_line(run)}"
+        )
+    steps = run.every.steps
+    if run.start >= steps:
+        return f"resumed at step {run.start} = train.steps: nothing to train"
+    return (
+        f"no loss to show: the {steps - run.start} step(s) run were all skipped for a "
+        f"non-finite loss{_eval_line(run)}"
+    )
 
 
 def _rate(per_s: float) -> str:
@@ -458,25 +456,31 @@ def _rate(per_s: float) -> str:
 
 
 def forward_backward(
-    engine, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int
+    engine,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    micro_batches: int,
+    hooks: ModelHooks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of this rank's batch, cut into `micro_batches` equal pieces.
 
     All but the last run under `engine.no_sync()`, entered before their forward: their
     gradients accumulate locally and the last backward communicates the sum, once. Each
     piece's loss is divided by their number, so the gradients equal those of the whole
-    batch at once. A model's auxiliary loss (GPT-MoE's load balancing) is added to each
-    piece's loss. Returns the batch's mean loss and number of correct predictions.
+    batch at once. The model's extra loss, if it has one (`hooks`, by default looked up
+    on engine.module: [Note: model hooks]), is added to each piece's loss. Returns the
+    batch's mean loss and number of correct predictions.
     """
+    hooks = model_hooks(engine.module) if hooks is None else hooks
     loss_sum = correct = torch.zeros((), device=inputs.device)
     pieces = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
     for i, (x, y) in enumerate(pieces):
         with engine.no_sync() if i < len(pieces) - 1 else nullcontext():
             logits = engine(x)
             loss = loss_fn(logits, y)
-            aux = aux_loss(engine.module)  # an MoE's load balancing, as the model asks
-            if aux is not None:
-                loss = loss + aux
+            extra = hooks.extra_loss()  # an MoE's load balancing, as the model asks
+            if extra is not None:
+                loss = loss + extra
             loss = loss / len(pieces)
             engine.backward(loss)
         loss_sum = loss_sum + loss.detach()
@@ -487,7 +491,8 @@ def forward_backward(
 def _eval_line(run: Run) -> str:
     e = run.last_eval
     if "eval/perplexity" in e:
-        tokens = f", {run.last['perf/tokens_per_s']:.0f} tokens/s" if run.tokens_per_step else ""
+        rate = run.last.get("perf/tokens_per_s")
+        tokens = f", {rate:.0f} tokens/s" if run.tokens_per_step and rate is not None else ""
         return f"{tokens}, val loss {e['eval/loss']:.4f}, perplexity {e['eval/perplexity']:.2f}"
     return f", eval loss {e['eval/loss']:.4f}" if "eval/loss" in e else ""
 
