@@ -199,6 +199,54 @@ def test_a_marker_the_storage_fails_is_not_taken_for_no_marker(tmp_path, monkeyp
         files.find_checkpoints(tmp_path)
 
 
+def _marked(directory: Path, name: str, step: int, save_id: str = "0a1b2c3d") -> Path:
+    d = directory / name
+    d.mkdir()
+    (d / "meta.pt").write_bytes(b"the files of a complete save")
+    (d / "COMPLETE").write_text(json.dumps({"step": step, "id": save_id, "run": None}))
+    return d
+
+
+def test_a_marked_save_is_never_swept_and_resume_finishes_it(tmp_path, monkeypatch):
+    # A crash after the marker, before the rename: a complete save under its temporary
+    # name. The next save's sweep takes unmarked leftovers only; resume=auto renames it.
+    from trainer import comm
+    from trainer.checkpoint import files, saving
+
+    monkeypatch.setattr(comm, "rank", lambda group=None: 0)
+    for step in (2, 4):
+        _marked(tmp_path, f"step_00000{step}", step)
+    _marked(tmp_path, "step_000008.tmp-0a1b2c3d", 8)
+    (tmp_path / "step_000006.tmp-99999999").mkdir()  # a save killed before its marker
+    (tmp_path / "step_000006.tmp-99999999" / "meta.pt").write_bytes(b"half")
+    (tmp_path / "step_000001.old-12345678").mkdir()  # a prune killed before its delete
+    saving._prune(tmp_path, keep=1, step=4)
+    assert sorted(os.listdir(tmp_path)) == ["step_000004", "step_000008.tmp-0a1b2c3d"]
+    saving.finish_commits(tmp_path)
+    assert [p.name for p in files.find_checkpoints(tmp_path)] == ["step_000008", "step_000004"]
+    assert (tmp_path / "step_000008" / "meta.pt").read_bytes() == b"the files of a complete save"
+
+
+def test_an_interrupted_save_older_than_the_checkpoint_of_its_step_is_kept_aside(
+    tmp_path, monkeypatch
+):
+    # Interrupted before its rename, then that step saved again by a run resumed with
+    # resume=PATH: the later save keeps the name, the earlier one is kept beside it.
+    from trainer import comm
+    from trainer.checkpoint import saving
+
+    monkeypatch.setattr(comm, "rank", lambda group=None: 0)
+    older = _marked(tmp_path, "step_000006.tmp-0a1b2c3d", 6)
+    newer = _marked(tmp_path, "step_000006", 6, "4e5f6a7b")
+    os.utime(older / "COMPLETE", ns=(10**18, 10**18))
+    os.utime(newer / "COMPLETE", ns=(2 * 10**18, 2 * 10**18))
+    saving.finish_commits(tmp_path)
+    names = sorted(os.listdir(tmp_path))
+    assert names[0] == "step_000006" and names[1].startswith("step_000006.replaced-"), names
+    assert json.loads((tmp_path / "step_000006" / "COMPLETE").read_text())["id"] == "4e5f6a7b"
+    assert json.loads((tmp_path / names[1] / "COMPLETE").read_text())["id"] == "0a1b2c3d"
+
+
 # ---------------------------------------------------------------------------------------
 # In one group of 2 ranks: resume=auto against storage errors of one rank, a skipped
 # checkpoint saved again, and a crash at each rename and delete of a save and its prune

@@ -59,11 +59,14 @@ def all_errors(error: Any, device: torch.device) -> list[tuple[int, Any]]:
 
 def found_by(files: list[str], device: torch.device) -> list[tuple[list[int], list[int]]]:
     """Per file of `files` (the same list on every rank): the ranks that find it, and those
-    whose storage does not say (an error other than ENOENT)."""
+    whose storage does not say (an error other than ENOENT). No collective for no file."""
+    if not files:
+        return []
     counts = torch.zeros(len(files), 2, comm.world_size(), device=device)
     for i, f in enumerate(files):
         seen = storage.found(Path(f))
-        counts[i, 0 if seen else 1, comm.rank()] = 1 if seen is not False else 0
+        if seen is not False:  # found (True), or the storage does not say (None)
+            counts[i, 0 if seen else 1, comm.rank()] = 1
     comm.all_reduce(counts, tag="checkpoint", account=False).wait()
     return [
         (c[0].nonzero().flatten().tolist(), c[1].nonzero().flatten().tolist()) for c in counts.cpu()

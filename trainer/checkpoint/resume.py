@@ -298,8 +298,9 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
         failed = f"rank {comm.rank()}: {e}"
     with comm.unaccounted():
         failed = agree.first_error(failed, device)
-    if failed is not None:
-        raise StorageError(f"{failed}; the checkpoint read well a moment before: not set aside")
+    if failed is not None:  # it read and checked well a moment before: not damage
+        raise StorageError(f"{failed} (while loading it, once read and checked); nothing was "
+                           f"set aside: {_AGAIN}")  # fmt: skip
     _keep_hparams(engine.optimizer, mine, stateful.get("scheduler"))
     if rng is not None:
         set_rng_state(rng)
@@ -325,7 +326,11 @@ def _verdict(errors: list[tuple[int, tuple[str, str, str | None]]], device) -> N
             raise StorageError(f"rank {rank} {message}; nothing was set aside: {_AGAIN}")
         if kind == "missing":
             seen, unsure = found[f]
-            by = f"rank {_few(seen)} finds it" if seen else f"rank {_few(unsure)} cannot say"
+            by = (
+                f"rank {_few(seen)} finds it"
+                if seen
+                else f"the storage of rank {_few(unsure)} cannot tell"
+            )
             raise StorageError(
                 f"rank {rank} does not find {f}, while {by}: every rank must see one and the "
                 f"same ckpt.dir (a shared filesystem); nothing was set aside: {_AGAIN}"

@@ -37,7 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import comm
-from trainer.checkpoint import agree, background, faults, files, stream
+from trainer.checkpoint import agree, background, faults, files, storage, stream
 from trainer.checkpoint.rng import rng_state
 from trainer.errors import StorageError, TrainingError
 from trainer.parallel import state as engine_state
@@ -234,14 +234,20 @@ def finish_commits(directory: Path) -> None:
         if not step.isdigit() or mark is None or mark.get("id") != save_id:
             continue  # unfinished: not a checkpoint (the next save removes it)
         final = files.step_dir(directory, int(step))
-        if final.exists() and _marked_at(final) > _marked_at(tmp):
-            aside = _keep_aside(tmp, final)
-            agree.say(
-                f"note: {tmp}, a save of step {step} interrupted before its rename, is "
-                f"older than {final}; kept as {aside}"
-            )
-            continue
-        _commit(tmp, final)
+        try:
+            if final.exists() and _marked_at(final) > _marked_at(tmp):
+                aside = _keep_aside(tmp, final)
+                agree.say(
+                    f"note: {tmp}, a save of step {step} interrupted before its rename, is "
+                    f"older than {final}; kept as {aside}"
+                )
+                continue
+            _commit(tmp, final)
+        except OSError as e:  # raised alike on every rank (through agree): never lost
+            raise StorageError(
+                f"cannot finish the commit of {tmp}, a complete save that a crash "
+                f"interrupted: {storage.describe(e)}"
+            ) from None
         agree.say(f"note: {final}: finished its commit, which a crash interrupted")
 
 

@@ -60,12 +60,16 @@ def retried(read: Callable[[], T], file: Path, missing: str | None = None) -> T:
 
 
 def unreadable(file: Path, e: OSError) -> str:
-    name = errno.errorcode.get(e.errno, f"errno {e.errno}") if e.errno else type(e).__name__
-    why = e.strerror or str(e) or type(e).__name__
     return (
-        f"cannot read {file}: {name} ({why}), {len(DELAYS_S) + 1} attempts over "
+        f"cannot read {file}: {describe(e)}, {len(DELAYS_S) + 1} attempts over "
         f"{sum(DELAYS_S):.1f} s (a storage error, not damage)"
     )
+
+
+def describe(e: OSError) -> str:
+    """`EIO (Input/output error)`: the errno's name and what it means."""
+    name = errno.errorcode.get(e.errno, f"errno {e.errno}") if e.errno else type(e).__name__
+    return f"{name} ({e.strerror or str(e) or type(e).__name__})"
 
 
 def read_bytes(file: Path) -> bytes:
