@@ -74,7 +74,7 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
         return 0
     if str(choice) != "auto":
         path = Path(str(choice))
-        agree.agree(_claim, directory, (files.marker(path) or {}).get("run") or "")
+        agree.agree(_claim_of, directory, path)
         meta = _load(path, engine, cfg, **stateful)
         _say_changes(cfg, meta)
         agree.say(f"resumed from {choice} at step {meta['step']}")
@@ -97,7 +97,7 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
             agree.say(f"warning: skipping checkpoint {path}: {e}")
             continue
         _say_changes(cfg, meta)
-        agree.agree(_claim, directory, (files.marker(path) or {}).get("run") or "")
+        agree.agree(_claim_of, directory, path)
         agree.say(f"resumed from {path} at step {meta['step']}")
         return int(meta["step"])
     agree.agree(_claim, directory, None)
@@ -137,6 +137,12 @@ def _set_aside(path: Path) -> str | None:
     except OSError:
         return None
     return str(aside)
+
+
+def _claim_of(directory: Path, path: Path) -> str:
+    """`_claim` for the lineage of checkpoint `path` (read by rank 0 alone: a marker the
+    storage fails is the same error on every rank)."""
+    return _claim(directory, (files.marker(path) or {}).get("run") or "")
 
 
 def _claim(directory: Path, lineage: str | None) -> str:
