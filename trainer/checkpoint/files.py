@@ -21,7 +21,9 @@ One directory per checkpoint under `ckpt.dir` (default `<run dir>/checkpoints`):
 Every .pt file holds plain tensors and Python values only: `torch.load(weights_only=True)`
 reads it, and that is the only way a checkpoint file is loaded; .bin files are raw bytes
 that the index describes. Each carries CRC32s over its contents, so a truncated or
-corrupted file is named rather than silently loaded.
+corrupted file is named rather than silently loaded; a read that the storage fails is
+retried, then named as a storage error, never as damage ([Note: storage errors are not
+damage] in storage.py).
 """
 
 from __future__ import annotations
