@@ -15,7 +15,8 @@ step minus the step the next group resumed from), the wall time lost per fault (
 time over the uninterrupted one's, divided by the faults) and whether the final model,
 the last checkpoint's data files and the tokens seen equal the uninterrupted run's,
 bitwise; then per kind of fault the seconds from the fault to the restarted group's
-resume. It is written to <out>/chaos.md; the runs' logs stay under <out>.
+resume. It is written to <out>/chaos.md; the runs' logs stay under <out>. A run that did
+not end bitwise equal (a NO row) is named on stderr and the script exits 1.
 """
 
 from __future__ import annotations
@@ -139,7 +140,26 @@ def same_end(run_dir: Path, clean_dir: Path) -> tuple[bool, bool]:
     return model, tokens and states[0] == states[1]
 
 
-def main() -> None:
+def failures(ends: dict[str, tuple[bool, bool]]) -> list[str]:
+    """The runs that did not end as the uninterrupted one (their final model and last
+    checkpoint, or their tokens seen and data position, not bitwise equal): the NO rows,
+    each as `name: what differs`."""
+    out = []
+    for name, (model, tokens) in ends.items():
+        checks = (("final model + last checkpoint", model), ("tokens seen", tokens))
+        what = [w for w, ok in checks if not ok]
+        if what:
+            out.append(f"{name}: {' and '.join(what)} not bitwise equal")
+    return out
+
+
+def exit_code(ends: dict[str, tuple[bool, bool]]) -> int:
+    """0 when every run ended bitwise equal to the uninterrupted one, else 1: a NO row fails
+    the soak."""
+    return 1 if failures(ends) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--faults", type=int, default=50, help="faults in all (default 50)")
     p.add_argument("--modes", default="ddp,zero,fsdp")
@@ -147,7 +167,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=int, default=20, help="dist.timeout_s: what a hang costs")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     modes, worlds = a.modes.split(","), [int(w) for w in a.worlds.split(",")]
     configs = [(m, w, x) for m in modes for w in worlds for x in (False, True)]
     plans = schedules(a.seed, a.faults, len(configs), [w for _, w, _ in configs])
@@ -155,6 +175,7 @@ def main() -> None:
     base = [*ARGS, f"dist.timeout_s={a.timeout_s}"]
     clean: dict[tuple[str, int], tuple[Path, float]] = {}
     rows, kinds = [], {k: [] for k in POINTS}
+    ends: dict[str, tuple[bool, bool]] = {}  # per run: (model equal, tokens equal)
     t_all = time.monotonic()
     for (mode, world, async_), plan in zip(configs, plans, strict=True):
         name = f"{mode}_p{world}_{'async' if async_ else 'sync'}"
@@ -194,6 +215,7 @@ def main() -> None:
                 kinds[action].append((recomputed[-1], to_resume[-1]))
         ok = code == 0 and (run_dir / "final_model.pt").is_file()
         model, tokens = same_end(run_dir, clean_dir) if ok else (False, False)
+        ends[name] = (model, tokens)
         n = max(len(fired), 1)
         rows.append(
             f"| {mode} | {world} | {'on' if async_ else 'off'} | {len(fired)} of {len(plan)} | "
@@ -229,7 +251,10 @@ def main() -> None:
     )
     (a.out / "chaos.md").write_text(report)
     print(report)
+    for line in failures(ends):
+        print(f"error: {line} (log: {a.out / line.split(':')[0]}.log)", file=sys.stderr)
+    return exit_code(ends)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

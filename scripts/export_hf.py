@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.checkpoint.export import parse_size, write_model  # noqa: E402
 from trainer.checkpoint.recutting import model_entries  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
+from trainer.errors import ConfigError, StorageError  # noqa: E402
 from trainer.models.lm import CausalLM, build_from_config, run_model, run_source  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:  # a checkpoint the storage does not let us read: try again
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"{loaded} -> {args.out}")
     return 0
 

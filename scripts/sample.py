@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data.text import codec_from_meta  # noqa: E402
 from trainer.data.tokens import read_meta  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
+from trainer.errors import ConfigError, StorageError  # noqa: E402
 from trainer.models.lm import generate, run_model  # noqa: E402
 
 
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:  # a checkpoint the storage does not let us read: try again
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(text)
     return 0
 

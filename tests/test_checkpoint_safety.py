@@ -317,3 +317,41 @@ def test_a_bad_fault_schedule_is_refused_in_one_line(monkeypatch, spec, message)
         faults.check(world_size=2)
     assert str(e.value).startswith(f"SHARDTRAIN_FAULT={spec!r}: ") and message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _chaos():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "chaos.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_chaos_fails_on_any_run_that_did_not_end_bitwise_equal(tmp_path, monkeypatch, capsys):
+    # The soak's table and exit code, with torchrun and the comparison faked: a NO row fails it.
+    chaos = _chaos()
+
+    def launch(args, world, env, restarts, log):
+        run_dir = Path(next(a for a in args if a.startswith("hydra.run.dir="))[14:])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "final_model.pt").touch()
+        return 1.0, 0, []
+
+    ends = {}
+    monkeypatch.setattr(chaos, "launch", launch)
+    monkeypatch.setattr(chaos, "same_end", lambda run, clean: ends.get(run.name, (True, True)))
+    argv = ["--faults", "2", "--modes", "fsdp", "--worlds", "2", "--out", str(tmp_path)]
+    assert chaos.main(argv) == 0
+    assert "| NO |" not in capsys.readouterr().out
+    ends["fsdp_p2_async"] = (False, True)
+    assert chaos.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "| fsdp | 2 | on | 0 of 1 |" in out and "| NO | yes |" in out
+    assert err.splitlines() == [
+        "error: fsdp_p2_async: final model + last checkpoint not bitwise equal "
+        f"(log: {tmp_path / 'fsdp_p2_async'}.log)"
+    ]
+    ends["fsdp_p2_sync"] = (True, False)
+    assert chaos.main(argv) == 1
+    assert "fsdp_p2_sync: tokens seen not bitwise equal" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""One exception type for input a user can fix; train.py prints it as a single line."""
+"""The exceptions train.py prints as one line: ConfigError for input a user can fix (and
+its kinds), TrainingError when training cannot go on."""
 
 
 class ConfigError(ValueError):
@@ -11,12 +12,31 @@ class NotResumable(ConfigError):
 
 
 class Damaged(ConfigError):
-    """A checkpoint file is missing, truncated or fails its checksum: the checkpoint can
-    never load. resume=auto sets such a checkpoint aside and takes the one before it."""
+    """A checkpoint's bytes are proven wrong: a file fails its checksum, does not unpickle,
+    ends early, has another size than its index says, or no rank finds it. The checkpoint
+    can never load: resume=auto sets it aside and takes the one before it. A read that
+    fails for the storage's sake is a StorageError instead ([Note: storage errors are not
+    damage] in trainer/checkpoint/storage.py)."""
+
+
+class Missing(Damaged):
+    """A checkpoint file this rank does not find (ENOENT). Damage when no rank finds it; a
+    storage error when another rank does (resume decides, over every rank's view)."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message names the step."""
+
+
+class StorageError(TrainingError):
+    """A checkpoint file could not be read although nothing shows its bytes wrong: an
+    OSError of the storage (EIO, ESTALE, EACCES) after a few attempts, or a file that one
+    rank does not find while another does. The resume fails on every rank with one line
+    naming the file and the errno; nothing on disk is renamed or removed."""
 
 
 class PeerError(TrainingError):

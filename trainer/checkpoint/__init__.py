@@ -6,6 +6,8 @@ consolidate into one state_dict. What they give a user: docs/checkpoints.md.
     checkpoint.check_save(device)    # at check steps: commit an async save, or end on its error
 
   files.py      the directory and file format; checksummed writes, checked reads
+  storage.py    reads retried, then named: a storage error is not damage
+                [Note: storage errors are not damage]
   stream.py     tensors streamed to a data file in one buffer, ranges read back and
                 checked [Note: streamed checkpoint files]
   saving.py     every rank writes, rank 0 commits by a rename [Note: atomic checkpoints]
@@ -15,7 +17,8 @@ consolidate into one state_dict. What they give a user: docs/checkpoints.md.
                 [Note: re-cutting shards]; the full model one tensor at a time
   export.py     that model as safetensors, one tensor at a time [Note: streamed export]
   rng.py        each rank's RNG states
-  agree.py      what every rank must learn alike (errors, rank 0's decisions)
+  agree.py      what every rank must learn alike (errors, rank 0's decisions, who finds
+                a file)
   faults.py     a schedule of faults at chosen points, for tests and scripts/chaos.py
                 [Note: fault injection]
 """

@@ -1,28 +1,31 @@
-"""What every rank must learn alike: rank 0's decisions, the first error of any rank,
-and one-line messages printed once by rank 0."""
+"""What every rank must learn alike: rank 0's decisions, the errors of the ranks that
+failed, which ranks find a file, and one-line messages printed once by rank 0."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from trainer import comm
-from trainer.errors import ConfigError
+from trainer.checkpoint import storage
+from trainer.errors import ConfigError, StorageError
 
 
 def agree(fn, *args: Any) -> Any:
-    """`fn(*args)` on rank 0, its result (or ConfigError) on every rank."""
+    """`fn(*args)` on rank 0, its result (or its ConfigError or StorageError, of the same
+    kind) on every rank."""
     out: list[Any] = [None]
     if comm.rank() == 0:
         try:
             out = [fn(*args)]
-        except ConfigError as e:
+        except (ConfigError, StorageError) as e:
             out = [e]
     comm.broadcast_object(out)
-    if isinstance(out[0], ConfigError):
-        raise ConfigError(str(out[0]))
+    if isinstance(out[0], ConfigError | StorageError):
+        raise type(out[0])(str(out[0]))
     return out[0]
 
 
@@ -39,6 +42,35 @@ def first_error(error: Any, device: torch.device) -> Any:
     message = [error]
     comm.broadcast_object(message, src=int(ranks[0]))
     return message[0]
+
+
+def all_errors(error: Any, device: torch.device) -> list[tuple[int, Any]]:
+    """Every failing rank's error (any picklable value), as (rank, error) in rank order, on
+    every rank alike; [] when all succeeded (one small AllReduce, no more)."""
+    failed = torch.zeros(comm.world_size(), device=device)
+    if error is not None:
+        failed[comm.rank()] = 1
+    comm.all_reduce(failed, tag="checkpoint", account=False).wait()
+    if not failed.any():
+        return []
+    gathered = comm.all_gather_object(error)
+    return [(r, e) for r, e in enumerate(gathered) if e is not None]
+
+
+def found_by(files: list[str], device: torch.device) -> list[tuple[list[int], list[int]]]:
+    """Per file of `files` (the same list on every rank): the ranks that find it, and those
+    whose storage does not say (an error other than ENOENT). No collective for no file."""
+    if not files:
+        return []
+    counts = torch.zeros(len(files), 2, comm.world_size(), device=device)
+    for i, f in enumerate(files):
+        seen = storage.found(Path(f))
+        if seen is not False:  # found (True), or the storage does not say (None)
+            counts[i, 0 if seen else 1, comm.rank()] = 1
+    comm.all_reduce(counts, tag="checkpoint", account=False).wait()
+    return [
+        (c[0].nonzero().flatten().tolist(), c[1].nonzero().flatten().tolist()) for c in counts.cpu()
+    ]
 
 
 def device_of(engine) -> torch.device:

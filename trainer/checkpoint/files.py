@@ -21,15 +21,19 @@ One directory per checkpoint under `ckpt.dir` (default `<run dir>/checkpoints`):
 Every .pt file holds plain tensors and Python values only: `torch.load(weights_only=True)`
 reads it, and that is the only way a checkpoint file is loaded; .bin files are raw bytes
 that the index describes. Each carries CRC32s over its contents, so a truncated or
-corrupted file is named rather than silently loaded.
+corrupted file is named rather than silently loaded; a read that the storage fails is
+retried, then named as a storage error, never as damage ([Note: storage errors are not
+damage] in storage.py).
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import pickle
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -37,8 +41,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trainer.checkpoint import agree, stream
-from trainer.errors import ConfigError, Damaged, TrainingError
+from trainer.checkpoint import agree, storage, stream
+from trainer.errors import ConfigError, Damaged, Missing, TrainingError
 
 FORMAT = 3  # 2: optimizer step counters per parameter name; 3: data streamed to rank*.bin
 
@@ -68,19 +72,27 @@ def step_of(path: Path) -> int:
 
 
 def marker(path: Path) -> dict[str, Any] | None:
-    """The COMPLETE marker of checkpoint `path`, or None when it has none (unfinished)."""
+    """The COMPLETE marker of checkpoint `path`, or None when it has none (unfinished: no
+    file, or one cut short). A marker the storage does not let us read raises
+    StorageError ([Note: storage errors are not damage]): taking it for "none" would pass
+    over a complete checkpoint."""
     try:
-        marker = json.loads((Path(path) / MARKER).read_text())
-    except (OSError, ValueError):
+        marker = json.loads(storage.read_bytes(Path(path) / MARKER))
+    except Missing:
+        return None
+    except ValueError:
         return None
     return marker if isinstance(marker, dict) else None
 
 
 def lineage(directory: Path) -> str | None:
-    """The run lineage that owns `directory` ([Note: run lineage]); None if unclaimed."""
+    """The run lineage that owns `directory` ([Note: run lineage]); None if unclaimed.
+    StorageError when the storage does not let us read it."""
     try:
-        return (Path(directory) / LINEAGE).read_text().strip() or None
-    except OSError:
+        return storage.read_bytes(Path(directory) / LINEAGE).decode().strip() or None
+    except Missing:
+        return None
+    except ValueError:  # not text: unclaimed, as a lineage never written
         return None
 
 
@@ -184,8 +196,9 @@ def fsync_dir(path: Path) -> None:
 
 def read_meta(path: Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint {path} does not exist or is not a directory")
+    absent = f"checkpoint {path} does not exist or is not a directory"
+    if not stat.S_ISDIR(storage.stat(path, missing=absent).st_mode):
+        raise ConfigError(absent)
     meta = read(path / "meta.pt")
     for key in ("step", "layout", "optim_hparams", "replicated", "state"):
         if key not in meta:
@@ -217,10 +230,15 @@ def read_rank(path: Path, rank: int, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def read(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        raise Damaged(f"{file} is missing: the checkpoint is incomplete")
+    """A checkpoint .pt file, checked. Damaged when its bytes are wrong (they do not
+    unpickle, or fail the checksum) or it is missing (Missing); StorageError when the
+    storage does not let us read it, after a few attempts ([Note: storage errors are not
+    damage] in storage.py). The file is read whole first, so that torch.load parses bytes
+    in memory: whatever it raises is about the bytes, never about the storage (a .pt file
+    holds an index, counters and RNG states; the data is in the .bin files)."""
+    raw = storage.read_bytes(file)
     try:
-        data = torch.load(file, map_location="cpu", weights_only=True)
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "weights only load failed" not in str(e).lower():
             raise Damaged(f"{file} is truncated or corrupted: {agree.line(e)}") from None

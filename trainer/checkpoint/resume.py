@@ -21,10 +21,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import comm
-from trainer.checkpoint import agree, files
+from trainer.checkpoint import agree, files, saving
 from trainer.checkpoint.recutting import prepare
 from trainer.checkpoint.rng import set_rng_state
-from trainer.errors import ConfigError, Damaged, NotResumable
+from trainer.errors import (
+    ConfigError,
+    Damaged,
+    Missing,
+    NotResumable,
+    StorageError,
+    TrainingError,
+)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -41,10 +48,14 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
     """Load the checkpoint `resume` names and return its step, or 0 to start afresh.
 
     resume=auto: the newest complete checkpoint of this directory's lineage under
-    ckpt.dir that loads. A newer one with a missing, truncated or corrupted file is set
-    aside (renamed to `step_N.damaged-<id>`, one line naming the file); one that does not
-    load for another reason is skipped, with a warning naming it. None left: one line says
-    so and the run starts from step 0. resume=PATH: that checkpoint, or an error.
+    ckpt.dir that loads. A newer one that is damaged (a file that no rank finds, or whose
+    bytes fail their checksum, do not unpickle, or end early) is set aside (renamed to
+    `step_N.damaged-<id>`, one line naming the file); one that does not load for another
+    reason is skipped, with a warning naming it. None left: one line says so and the run
+    starts from step 0. A read that the storage fails (EIO, ESTALE, EACCES, a file one
+    rank does not find while another does) is retried a few times, then fails the resume
+    on every rank with StorageError, nothing renamed ([Note: storage errors are not
+    damage] in storage.py). resume=PATH: that checkpoint, or an error.
     resume=null: start afresh into a ckpt.dir without checkpoints, except in a group
     torchrun has restarted (TORCHELASTIC_RESTART_COUNT > 0), which resumes as with auto.
     Values given on the command line win over the checkpoint's (optimizer hyperparameters,
@@ -63,7 +74,7 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
         return 0
     if str(choice) != "auto":
         path = Path(str(choice))
-        agree.agree(_claim, directory, (files.marker(path) or {}).get("run") or "")
+        agree.agree(_claim_of, directory, path)
         meta = _load(path, engine, cfg, **stateful)
         _say_changes(cfg, meta)
         agree.say(f"resumed from {choice} at step {meta['step']}")
@@ -86,7 +97,7 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
             agree.say(f"warning: skipping checkpoint {path}: {e}")
             continue
         _say_changes(cfg, meta)
-        agree.agree(_claim, directory, (files.marker(path) or {}).get("run") or "")
+        agree.agree(_claim_of, directory, path)
         agree.say(f"resumed from {path} at step {meta['step']}")
         return int(meta["step"])
     agree.agree(_claim, directory, None)
@@ -102,7 +113,9 @@ def maybe_resume(cfg: DictConfig, engine, run_dir: Path, **stateful: Any) -> int
 
 
 def _candidates(directory: Path) -> list[Path]:
-    """resume=auto's candidates, newest first: those of the directory's lineage."""
+    """resume=auto's candidates, newest first: those of the directory's lineage, after
+    finishing the commits that a crash interrupted ([Note: atomic checkpoints])."""
+    saving.finish_commits(directory)
     lineage, found = files.lineage(directory), files.find_checkpoints(directory)
     if lineage is None:
         return found
@@ -124,6 +137,12 @@ def _set_aside(path: Path) -> str | None:
     except OSError:
         return None
     return str(aside)
+
+
+def _claim_of(directory: Path, path: Path) -> str:
+    """`_claim` for the lineage of checkpoint `path` (read by rank 0 alone: a marker the
+    storage fails is the same error on every rank)."""
+    return _claim(directory, (files.marker(path) or {}).get("run") or "")
 
 
 def _claim(directory: Path, lineage: str | None) -> str:
@@ -241,18 +260,23 @@ def load(path: Path, engine, **stateful: Any) -> int:
 def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[str, Any]:
     """Load `path` (see `load`); with `cfg`, first refuse values it cannot resume with."""
     path = Path(path)
+    device = agree.device_of(engine)
     prepared, error = None, None
     try:
         prepared = prepare(path, engine)
+    except Missing as e:
+        error = ("missing", str(e), e.path)
+    except Damaged as e:
+        error = ("damaged", str(e), None)
+    except StorageError as e:
+        error = ("storage", str(e), None)
     except ConfigError as e:
-        error = (str(e), isinstance(e, Damaged))
+        error = ("other", str(e), None)
     except Exception as e:  # reading must fail alike on every rank, not leave one behind
-        error = (f"checkpoint {path} cannot be loaded: {type(e).__name__}: {agree.line(e)}", False)
+        why = f"checkpoint {path} cannot be loaded: {type(e).__name__}: {agree.line(e)}"
+        error = ("other", why, None)
     with comm.unaccounted():
-        error = agree.first_error(error, agree.device_of(engine))
-    if error is not None:
-        message, damaged = error
-        raise (Damaged if damaged else ConfigError)(message)
+        _verdict(agree.all_errors(error, device), device)
     meta, load_into, rng = prepared
     refuse_changes(cfg, path, meta)  # every rank alike: the same files and config
     mine = _hparams(engine.optimizer)  # the values this run was built with
@@ -270,12 +294,61 @@ def _load(path: Path, engine, cfg: DictConfig | None, **stateful: Any) -> dict[s
         refusal = agree.first_error(refusal, agree.device_of(engine))
     if refusal is not None:
         raise NotResumable(refusal)
+    # [Note: re-cutting shards]: range by range, into its tensors. The ranges were all read
+    # and checked above; a read that fails now (the storage again) fails every rank alike.
+    failed = None
+    try:
+        with comm.unaccounted():
+            load_into(engine)
+    except (ConfigError, TrainingError) as e:
+        failed = f"rank {comm.rank()}: {e}"
     with comm.unaccounted():
-        load_into(engine)  # [Note: re-cutting shards]: range by range, into its tensors
+        failed = agree.first_error(failed, device)
+    if failed is not None:  # it read and checked well a moment before: not damage
+        raise StorageError(f"{failed} (while loading it, once read and checked); nothing was "
+                           f"set aside: {_AGAIN}")  # fmt: skip
     _keep_hparams(engine.optimizer, mine, stateful.get("scheduler"))
     if rng is not None:
         set_rng_state(rng)
     return meta
+
+
+def _verdict(errors: list[tuple[int, tuple[str, str, str | None]]], device) -> None:
+    """Raise on every rank alike what the failing ranks' errors (rank, (kind, message,
+    missing file)) say of the checkpoint ([Note: storage errors are not damage] in
+    storage.py): damage that any rank proves (bytes that are wrong, a file that no rank
+    finds) makes it Damaged, set aside by resume=auto; else a storage error of any rank (a
+    read that failed, a file that one rank misses while another finds it) fails the resume
+    with its line, nothing renamed; else the first rank's error (ConfigError)."""
+    if not errors:
+        return
+    missing = sorted({f for _, (kind, _, f) in errors if kind == "missing"})
+    found = dict(zip(missing, agree.found_by(missing, device), strict=True))  # collective
+    for _, (kind, message, f) in errors:
+        if kind == "damaged" or (kind == "missing" and found[f] == ([], [])):
+            raise Damaged(message)
+    for rank, (kind, message, f) in errors:
+        if kind == "storage":
+            raise StorageError(f"rank {rank} {message}; nothing was set aside: {_AGAIN}")
+        if kind == "missing":
+            seen, unsure = found[f]
+            by = (
+                f"rank {_few(seen)} finds it"
+                if seen
+                else f"the storage of rank {_few(unsure)} cannot tell"
+            )
+            raise StorageError(
+                f"rank {rank} does not find {f}, while {by}: every rank must see one and the "
+                f"same ckpt.dir (a shared filesystem); nothing was set aside: {_AGAIN}"
+            )
+    raise ConfigError(errors[0][1][1])
+
+
+_AGAIN = "resume again once the storage answers"
+
+
+def _few(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:4])) + (" ..." if len(ranks) > 4 else "")
 
 
 def _hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -2,13 +2,25 @@
 
 [Note: atomic checkpoints]
 All ranks write into `step_000120.tmp-<id>/` and fsync their files; they then agree (one
-small AllReduce) that every rank succeeded; rank 0 fsyncs the directory, writes `COMPLETE`
-into it, renames it to `step_000120` (atomic on one filesystem) and fsyncs the parent.
-Only a directory with a final name and a `COMPLETE` marker counts as a checkpoint, so a
-crash at any moment leaves the previous checkpoint complete and the partial one ignored;
-it is removed by the next successful save. `ckpt.keep` prunes older checkpoints only
-after the new one is in place, each by renaming it away first (atomic) and deleting it
-after: a kill while pruning never leaves a final-named partial checkpoint.
+small AllReduce) that every rank succeeded; rank 0 writes `COMPLETE` into it and fsyncs
+the directory: from then on it is a complete checkpoint. Rank 0 renames it to
+`step_000120` (atomic on one filesystem) and fsyncs the parent. `ckpt.keep` then prunes
+older checkpoints, each renamed away to `step_N.old-<id>` first (atomic) and deleted
+after, and deletes what interrupted saves left (temporary directories without a marker,
+`.old-` ones). Only a directory with a final name and a marker counts as a checkpoint.
+No crash between these renames and deletes leaves a step without a complete copy that
+resume=auto finds (tests/test_checkpoint_storage.py crashes a save and a prune at each):
+- before the marker: the previous checkpoints are as they were; the partial directory
+  is removed by the next save;
+- after the marker, before the rename: a marked `step_N.tmp-<id>` is complete, and is
+  never deleted: resume=auto first finishes its commit (`finish_commits`);
+- the same step saved again (a run resumed from an older checkpoint: the newer one did
+  not fit it, or resume=PATH chose the older one) finds `step_N` there. That one is kept:
+  renamed to `step_N.replaced-<id>` (which no save prunes; one line names it) before the
+  new one takes its name, never deleted. A crash between the two renames leaves the new
+  one marked under its temporary name: as above;
+- in a prune: the new checkpoint is in place and fsynced before anything is pruned, and
+  what a prune removes goes out of the checkpoint names before it is deleted.
 """
 
 from __future__ import annotations
@@ -25,9 +37,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import comm
-from trainer.checkpoint import agree, background, faults, files, stream
+from trainer.checkpoint import agree, background, faults, files, storage, stream
 from trainer.checkpoint.rng import rng_state
-from trainer.errors import TrainingError
+from trainer.errors import StorageError, TrainingError
 from trainer.parallel import state as engine_state
 
 DEFAULT_BUFFER_MB = 64  # ckpt.buffer_mb: the staging buffer of a save
@@ -96,8 +108,11 @@ def save(
         def failed(e: Exception) -> str:
             return f"rank {rank} could not write its part of checkpoint {final}: {agree.line(e)}"
 
+        lineage: str | None = None  # rank 0's, read below
+
         def commit(error: str | None) -> None:
-            _agree_and_commit(tmp, final, error, device, directory, keep, step, save_id)
+            marker = {"step": step, "id": save_id, "run": lineage}
+            _agree_and_commit(tmp, final, error, device, directory, keep, step, marker)
 
         write, error = None, None
         try:
@@ -111,9 +126,10 @@ def save(
             meta = None
             if rank == 0:
                 replicated = [e for e in entries if e.name.startswith(REPLICATED)]
+                lineage = files.lineage(directory)  # read once, here: a failure is agreed
                 meta = {
                     **header,
-                    "run": files.lineage(directory),
+                    "run": lineage,
                     "config": config,
                     "optimizer": type(engine.optimizer).__name__,
                     "optim_hparams": engine_state.optim_hparams(engine),
@@ -166,7 +182,7 @@ def _agree_and_commit(
     directory: Path,
     keep: int,
     step: int,
-    save_id: str,
+    marker: dict[str, Any],
 ) -> None:
     """Every rank's files are written (or the first failure is raised on every rank); rank 0
     then marks, renames and prunes. Main thread only: collectives."""
@@ -176,36 +192,90 @@ def _agree_and_commit(
             shutil.rmtree(tmp, ignore_errors=True)
         raise TrainingError(error)
     if comm.rank() == 0:
-        # Every rank's file is written and fsynced (the agreement above): mark it.
-        marker = {"step": step, "id": save_id, "run": files.lineage(directory)}
-        files.write_text(tmp / files.MARKER, json.dumps(marker))
-        _commit(tmp, final)
-        _prune(directory, keep, step)
+        _mark_and_commit(tmp, final, marker, directory, keep, step)
     comm.barrier(tag="checkpoint").wait()
 
 
+def _mark_and_commit(
+    tmp: Path, final: Path, marker: dict[str, Any], directory: Path, keep: int, step: int
+) -> None:
+    """Rank 0's part, once every rank's files are written and fsynced: the marker, the
+    rename, the prune ([Note: atomic checkpoints])."""
+    files.write_text(tmp / files.MARKER, json.dumps(marker))
+    _commit(tmp, final)
+    _prune(directory, keep, step)
+
+
 def _commit(tmp: Path, final: Path) -> None:
+    """Marked `tmp` becomes checkpoint `final`; one already there is kept beside it as
+    `step_N.replaced-<id>` ([Note: atomic checkpoints]). Rank 0 alone."""
     files.fsync_dir(tmp)
-    old = None
     if final.exists():  # this step written again, by a run resumed from an older one
-        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
+        aside = _keep_aside(final, final)
+        agree.say(f"note: {final} was there already; kept as {aside}, beside the new one")
     os.rename(tmp, final)
     files.fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+def _keep_aside(path: Path, final: Path) -> Path:
+    aside = final.with_name(f"{final.name}.replaced-{uuid.uuid4().hex[:8]}")
+    os.rename(path, aside)
+    return aside
+
+
+def finish_commits(directory: Path) -> None:
+    """Finish the commits a crash interrupted ([Note: atomic checkpoints]): each marked
+    `step_N.tmp-<id>` (complete) takes the name `step_N`. A checkpoint already there is
+    kept aside (as `_commit` does) when the marked one is newer by its marker's time, else
+    the marked one is (a save interrupted before a later save of the same step). Rank 0
+    alone, before resume=auto looks for checkpoints."""
+    for tmp in sorted(Path(directory).glob("step_*.tmp-*")):
+        step, _, save_id = tmp.name[len("step_") :].partition(".tmp-")
+        mark = files.marker(tmp)
+        if not step.isdigit() or mark is None or mark.get("id") != save_id:
+            continue  # unfinished: not a checkpoint (the next save removes it)
+        final = files.step_dir(directory, int(step))
+        try:
+            if final.exists() and _marked_at(final) > _marked_at(tmp):
+                aside = _keep_aside(tmp, final)
+                agree.say(
+                    f"note: {tmp}, a save of step {step} interrupted before its rename, is "
+                    f"older than {final}; kept as {aside}"
+                )
+                continue
+            _commit(tmp, final)
+        except OSError as e:  # raised alike on every rank (through agree): never lost
+            raise StorageError(
+                f"cannot finish the commit of {tmp}, a complete save that a crash "
+                f"interrupted: {storage.describe(e)}"
+            ) from None
+        agree.say(f"note: {final}: finished its commit, which a crash interrupted")
+
+
+def _marked_at(path: Path) -> int:
+    try:
+        return os.stat(path / files.MARKER).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _prune(directory: Path, keep: int, step: int) -> None:
     """Remove leftovers of interrupted saves, then all but the newest `keep` complete
     checkpoints up to `step` (newer ones belong to a run this one resumed before). Each
-    goes by an atomic rename out of the final names first ([Note: atomic checkpoints])."""
-    if keep:
-        done = [p for p in files.find_checkpoints(directory) if files.step_of(p) <= step]
-        for p in done[keep:]:
-            old = p.with_name(f"{p.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(p, old)
-            faults.fault("prune", step, old)
-        files.fsync_dir(directory)
-    for leftover in [*directory.glob("step_*.tmp-*"), *directory.glob("step_*.old-*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
+    goes by an atomic rename out of the final names first ([Note: atomic checkpoints]).
+    A marked temporary directory is complete and stays (resume=auto finishes it); what
+    the storage does not let us read stays too, with a warning."""
+    try:
+        if keep:
+            done = [p for p in files.find_checkpoints(directory) if files.step_of(p) <= step]
+            for p in done[keep:]:
+                old = p.with_name(f"{p.name}.old-{uuid.uuid4().hex[:8]}")
+                os.rename(p, old)
+                faults.fault("prune", step, old)
+            files.fsync_dir(directory)
+        for leftover in [*directory.glob("step_*.tmp-*"), *directory.glob("step_*.old-*")]:
+            if ".tmp-" in leftover.name and files.marker(leftover) is not None:
+                continue
+            shutil.rmtree(leftover, ignore_errors=True)
+    except StorageError as e:
+        agree.say(f"warning: not pruning under {directory} this time: {e}")

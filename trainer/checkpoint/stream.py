@@ -15,7 +15,8 @@ with the size it needed, not halfway.
 A read of any range reads the blocks around it, one at a time into a block-sized buffer,
 checks each against its CRC, and copies the range's part into its destination: a re-cut
 reads only the ranges it needs and still finds a flipped byte in them, and memory stays
-one block.
+one block. A read the storage fails is retried, then named as a storage error, not
+damage ([Note: storage errors are not damage] in storage.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint import storage
 from trainer.errors import ConfigError, Damaged, TrainingError
 
 BLOCK = 1 << 20  # bytes per CRC32
@@ -210,9 +212,7 @@ class DataFile:
 
     def __init__(self, path: Path, index: dict[str, Any]) -> None:
         self.path, self.index = Path(path), index
-        if not self.path.is_file():
-            raise Damaged(f"{self.path} is missing: the checkpoint is incomplete")
-        size = self.path.stat().st_size
+        size = storage.stat(self.path).st_size  # [Note: storage errors are not damage]
         if size != index["size"]:
             raise Damaged(
                 f"{self.path} is truncated or corrupted: {size} bytes, its index says "
@@ -253,10 +253,7 @@ class DataFile:
         view = memoryview(self.buffer)[:n]
         if blk == self.cached:
             return view
-        if self.file is None:
-            self.file = open(self.path, "rb")  # noqa: SIM115 (closed by close())
-        self.file.seek(lo)
-        if self.file.readinto(view) != n:
+        if storage.retried(lambda: self._read_into(view, lo), self.path) != n:
             raise Damaged(f"{self.path} is truncated: it ends before byte {lo + n}")
         if zlib.crc32(view) != self.crcs[blk]:
             self.cached = -1
@@ -265,6 +262,16 @@ class DataFile:
             )
         self.cached = blk
         return view
+
+    def _read_into(self, view: memoryview, lo: int) -> int:
+        try:
+            if self.file is None:
+                self.file = open(self.path, "rb")  # noqa: SIM115 (closed by close())
+            self.file.seek(lo)
+            return self.file.readinto(view)
+        except OSError:
+            self.close()  # the next attempt opens it again: a stale handle is looked up anew
+            raise
 
     def close(self) -> None:
         if self.file is not None:
