@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainer.errors import ConfigError, PeerError
+from trainer.parallel import calls
 from trainer.run import dist as tdist
 
 
@@ -92,6 +93,20 @@ def test_peer_timeouts_become_one_line(text):
     # NCCL's line says what NCCL did (its watchdog, not the waiting call, timed out)
     nccl = "NCCL's watchdog timed out a collective and aborted the communicator"
     assert (nccl in str(failure)) == (text != GLOO_TIMEOUT), str(failure)
+
+
+@pytest.mark.parametrize("text", [NCCL_WATCHDOG, GLOO_TIMEOUT])
+def test_fsdp_names_the_unit_gathered_again_on_either_backends_timeout(text):
+    # fsdp's explanation of a hang after a unit gathered again (parallel/calls.py) must
+    # recognise NCCL's watchdog text ("... timeout", no "timed out") as well as Gloo's
+    record = calls.CallRecord.__new__(calls.CallRecord)  # no group: only its timeout path
+    record.regathered, record._rank = [("layers.1", "forward call 2")], 0
+    with pytest.raises(PeerError, match="gathered unit 'layers.1' again"):
+        with record.timeouts():
+            raise RuntimeError(text)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):  # other errors pass
+        with record.timeouts():
+            raise RuntimeError("CUDA out of memory")
 
 
 def test_an_nccl_abort_for_another_reason_is_not_called_a_timeout():

@@ -41,3 +41,11 @@ class StorageError(TrainingError):
 
 class PeerError(TrainingError):
     """Another rank stopped answering or died; every rank that notices says so."""
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether a collective's error says it waited past its timeout: Gloo's "timed out"
+    in the waiting rank, or NCCL's watchdog ("caught collective operation timeout", the
+    communicator aborted; [Note: NCCL timeouts] in trainer/run/dist.py)."""
+    text = str(error).lower()
+    return "timed out" in text or "watchdog caught collective operation timeout" in text

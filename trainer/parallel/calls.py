@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from trainer import comm
-from trainer.errors import ConfigError, PeerError
+from trainer.errors import ConfigError, PeerError, is_collective_timeout
 from trainer.observe import host
 
 # [Note: a unit called again after another]
@@ -179,7 +179,7 @@ class CallRecord:
         try:
             yield
         except RuntimeError as e:
-            if not self.regathered or "timed out" not in str(e).lower():
+            if not self.regathered or not is_collective_timeout(e):
                 raise
             unit, where = self.regathered[-1]
             raise PeerError(

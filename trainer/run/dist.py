@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.comm import groups as comm_groups
-from trainer.errors import ConfigError, PeerError
+from trainer.errors import ConfigError, PeerError, is_collective_timeout
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -163,7 +163,7 @@ def peer_failure(error: RuntimeError, timeout_s: float) -> PeerError | None:
     if "communicator was aborted" in lowered:  # NCCL, for another reason than a timeout
         first = text.strip().splitlines()[0][:300]
         return PeerError(f"rank {rank}: NCCL aborted the communicator after an error ({first})")
-    if "timed out" in lowered:  # Gloo
+    if is_collective_timeout(error):  # Gloo ("timed out")
         return PeerError(f"{waited}; {_STOPPED}")
     if "closed by peer" in text or "reset by peer" in text:
         return PeerError(f"rank {rank}: lost the connection to another rank, which exited or died")
