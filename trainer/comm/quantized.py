@@ -8,7 +8,9 @@ fp32's bytes, one fp32 scale per `block` values included ([Note: int8 blocks]).
 Each packs its values on the compute stream and hands the bytes to collectives.py's
 `all_gather` or all_to_all.py's `all_to_all` (byte counting of what is handed over,
 scales included; test hooks; Gloo fast path; comm stream); the returned Handle
-dequantizes (and sums) once that collective is waited for.
+dequantizes (and sums) once that collective is waited for. The AllReduce's second
+collective is chained on its first, launched once that one has arrived ([Note: int8
+AllReduce in two chained phases]).
 """
 
 from __future__ import annotations
