@@ -11,19 +11,24 @@ from reference import train_engine
 STEPS, BATCH = 3, 24
 
 
-def _train_with_delay(env, delay_s: float, mode: str, kind: str):
+def _train_with_delay(env, delay_s: float, mode: str, kind: str, **options):
     from trainer import comm
 
     comm.stats.reset()
     with comm.delayed(delay_s):
-        state = train_engine(env, mode, kind, "adamw", STEPS, BATCH, bucket_mb=0.0004)
+        state = train_engine(env, mode, kind, "adamw", STEPS, BATCH, bucket_mb=0.0004, **options)
     return state, comm.stats.exposed_s, comm.stats.busy_s
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
-def test_delay_before_each_collective_gives_the_same_parameters(mode):
-    plain = run_distributed(_train_with_delay, 2, 0.0, mode, "mlp")
-    delayed = run_distributed(_train_with_delay, 2, 0.01, mode, "mlp")
+# ddp int8: the AllGathers come from the continuation thread, delayed there too
+@pytest.mark.parametrize(
+    "mode, options",
+    [("ddp", {}), ("zero", {}), ("fsdp", {}), ("ddp", {"reduce_dtype": "int8"})],
+    ids=["ddp", "zero", "fsdp", "ddp-int8"],
+)
+def test_delay_before_each_collective_gives_the_same_parameters(mode, options):
+    plain = run_distributed(_train_with_delay, 2, 0.0, mode, "mlp", **options)
+    delayed = run_distributed(_train_with_delay, 2, 0.01, mode, "mlp", **options)
     for (a, _, _), (b, _, busy) in zip(plain, delayed, strict=True):
         assert busy > 0
         for k in a:
