@@ -79,9 +79,9 @@ def _options(mode: str, wire: str, bucket_mb: float | None = None) -> dict:
     return opts
 
 
-def _time(args, env, mode: str, wire: str, gbps: float) -> tuple[list[float], float, float]:
-    """Per timed step the slowest rank's seconds, and the bytes this rank sent and the
-    collectives it launched per step."""
+def _time(args, env, mode: str, wire: str, gbps: float) -> tuple[list[float], float, float, float]:
+    """Per timed step the slowest rank's seconds; per step, the bytes this rank sent, the
+    collectives it launched and the seconds it waited for them (comm.stats.exposed_s)."""
     torch.manual_seed(0)
     model = MLP(in_dim=args.width, hidden=args.width, depth=args.depth)
     opt = torch.optim.AdamW
@@ -102,6 +102,7 @@ def _time(args, env, mode: str, wire: str, gbps: float) -> tuple[list[float], fl
             engine.step()
             times.append(time.perf_counter() - t)
         sent = sum(comm.stats.bytes_sent.values()) / args.steps
+        exposed = comm.stats.exposed_s / args.steps
         calls = (
             sum(n for op, n in comm.stats.calls.items() if comm.stats.bytes_sent[op]) / args.steps
         )
@@ -111,7 +112,7 @@ def _time(args, env, mode: str, wire: str, gbps: float) -> tuple[list[float], fl
     every = torch.empty(env.world_size * mine.numel())
     with comm.unaccounted():  # not part of the figures
         comm.all_gather(every, mine, tag="bench").wait()
-    return every.view(env.world_size, -1).max(0).values.tolist(), sent, calls
+    return every.view(env.world_size, -1).max(0).values.tolist(), sent, calls, exposed
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -125,11 +126,13 @@ def run(args: argparse.Namespace) -> dict:
     for r in range(args.rounds):
         shift = r % len(contenders)
         for mode, wire, gbps in contenders[shift:] + contenders[:shift]:
-            times, sent, calls = _time(args, env, mode, wire, gbps)
+            times, sent, calls, exposed = _time(args, env, mode, wire, gbps)
             row = results.setdefault(
-                f"{mode}/{wire}/{gbps:g}", {"times": [], "bytes": sent, "calls": calls}
+                f"{mode}/{wire}/{gbps:g}",
+                {"times": [], "bytes": sent, "calls": calls, "exposed": []},
             )
             row["times"] += times
+            row["exposed"].append(exposed)
     tdist.shutdown()
     if env.rank != 0:
         return {}
@@ -186,10 +189,11 @@ def overlap(result: dict) -> list[str]:
     latency_s = result["args"]["latency_us"] / 1e6
     out = [
         "step time vs max(compute, link): compute = the same mode and wire on loopback, "
-        "link = bytes/step x 8 / bandwidth + latency x collectives",
+        "link = bytes/step x 8 / bandwidth + latency x collectives; waited: rank 0's time "
+        "in wait() per step (comm.stats.exposed_s), median over rounds",
         "",
-        "| mode | wire | link | step s | compute s | link s | step / max |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | wire | link | step s | compute s | link s | step / max | waited s/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, row in res.items():
         mode, wire, link = key.split("/")
@@ -199,7 +203,8 @@ def overlap(result: dict) -> list[str]:
         link_s = row["bytes"] * 8 / (float(link) * 1e9) + latency_s * row["calls"]
         out.append(
             f"| {mode} | {wire} | {link} Gb/s | {row['median_s']:.3f} | {compute:.3f} | "
-            f"{link_s:.3f} | {row['median_s'] / max(compute, link_s):.2f} |"
+            f"{link_s:.3f} | {row['median_s'] / max(compute, link_s):.2f} | "
+            f"{statistics.median(row['exposed']):.3f} |"
         )
     return out
 
