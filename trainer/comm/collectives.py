@@ -322,17 +322,16 @@ def on_comm_stream(*tensors: torch.Tensor | None, group: dist.ProcessGroup | Non
 # `then` runs under the dispatch modes the chain was made under, so a mode that samples
 # every tensor op (the CPU step peak, observe/heap.py) sees its tensors too, and its
 # collective is accounted as the caller's would be (not if made in `unaccounted()`).
-# The chained
-# Handle's `wait()` waits for `then` to have run (re-raising what it raised), then for
-# its collective; the caller's exposed time is that whole wait, the continuation's own
-# wait for `first` counts as busy time only.
+# The chained Handle's `wait()` waits for `then` to have run (re-raising what it
+# raised), then for its collective; on CPU the caller's exposed time is that whole wait,
+# the continuation's own wait for `first` counts as busy time only.
 
 
 class Chained(Handle):
     """`first`, then the collective `then` launches once `first` is done, in flight as
     one Handle. [Note: a collective chained on another]"""
 
-    __slots__ = ("_first", "_then", "_next", "_ran", "_error", "_modes")
+    __slots__ = ("_first", "_then", "_next", "_ran", "_error", "_modes", "_host")
 
     def __init__(self, first: Handle, then: Callable[[], Handle]):
         super().__init__(None)
@@ -341,6 +340,7 @@ class Chained(Handle):
         self._error: BaseException | None = None
         self._ran = threading.Event()
         self._modes = _python_dispatch._get_current_dispatch_mode_stack()
+        self._host = first._end is None  # CPU: the continuation thread runs `then`
 
     def _run(self, wait_first: bool) -> None:
         """Wait for `first` (CPU; on CUDA the comm stream has it), then run `then` as
@@ -370,7 +370,7 @@ class Chained(Handle):
             return
         t = time.perf_counter()
         self._ran.wait()
-        if self._account:
+        if self._account and self._host:  # (CUDA: `then` has run at launch)
             with _lock:
                 stats.exposed_s += time.perf_counter() - t
         if self._error is not None:
@@ -411,7 +411,7 @@ def chain(first: Handle, then: Callable[[], Handle], group=None) -> Handle:
     comm stream (CUDA), or from the continuation thread (CPU), whose collectives must go
     over a group nothing else launches on. [Note: a collective chained on another]"""
     chained = Chained(first, then)
-    if first._end is None:  # CPU
+    if chained._host:
         _continuations.submit(chained)
         return chained
     stream = _comm_stream(first._keep[0].device, group)
