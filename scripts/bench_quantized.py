@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch-per-rank", type=int, default=16)
+    ap.add_argument(
+        "--bucket-mb", type=float, help="ddp's and zero's bucket_mb (default: the engines')"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
@@ -67,19 +70,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _options(mode: str, wire: str) -> dict:
+def _options(mode: str, wire: str, bucket_mb: float | None = None) -> dict:
     opts = dict(WIRES[wire])
     if mode == "ddp":
         opts.pop("gather_dtype", None)  # ddp gathers nothing: its AllReduce is int8 both ways
+    if bucket_mb is not None and mode in ("ddp", "zero"):
+        opts["bucket_mb"] = bucket_mb
     return opts
 
 
-def _time(args, env, mode: str, wire: str, gbps: float) -> tuple[list[float], float]:
-    """Per timed step the slowest rank's seconds, and the bytes this rank sent per step."""
+def _time(args, env, mode: str, wire: str, gbps: float) -> tuple[list[float], float, float, float]:
+    """Per timed step the slowest rank's seconds; per step, the bytes this rank sent, the
+    collectives it launched and the seconds it waited for them (comm.stats.exposed_s)."""
     torch.manual_seed(0)
     model = MLP(in_dim=args.width, hidden=args.width, depth=args.depth)
     opt = torch.optim.AdamW
-    engine = build_engine(model, mode, lambda ps: opt(ps, lr=1e-3), **_options(mode, wire))
+    options = _options(mode, wire, args.bucket_mb)
+    engine = build_engine(model, mode, lambda ps: opt(ps, lr=1e-3), **options)
     g = torch.Generator().manual_seed(env.rank)
     x = torch.randn(args.batch_per_rank, args.width, generator=g)
     y = torch.randint(0, 10, (args.batch_per_rank,), generator=g)
@@ -95,13 +102,17 @@ def _time(args, env, mode: str, wire: str, gbps: float) -> tuple[list[float], fl
             engine.step()
             times.append(time.perf_counter() - t)
         sent = sum(comm.stats.bytes_sent.values()) / args.steps
+        exposed = comm.stats.exposed_s / args.steps
+        calls = (
+            sum(n for op, n in comm.stats.calls.items() if comm.stats.bytes_sent[op]) / args.steps
+        )
     finally:
         comm.simulated_link(None)
     mine = torch.tensor(times[args.warmup :])
     every = torch.empty(env.world_size * mine.numel())
     with comm.unaccounted():  # not part of the figures
         comm.all_gather(every, mine, tag="bench").wait()
-    return every.view(env.world_size, -1).max(0).values.tolist(), sent
+    return every.view(env.world_size, -1).max(0).values.tolist(), sent, calls, exposed
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -115,9 +126,13 @@ def run(args: argparse.Namespace) -> dict:
     for r in range(args.rounds):
         shift = r % len(contenders)
         for mode, wire, gbps in contenders[shift:] + contenders[:shift]:
-            times, sent = _time(args, env, mode, wire, gbps)
-            row = results.setdefault(f"{mode}/{wire}/{gbps:g}", {"times": [], "bytes": sent})
+            times, sent, calls, exposed = _time(args, env, mode, wire, gbps)
+            row = results.setdefault(
+                f"{mode}/{wire}/{gbps:g}",
+                {"times": [], "bytes": sent, "calls": calls, "exposed": []},
+            )
             row["times"] += times
+            row["exposed"].append(exposed)
     tdist.shutdown()
     if env.rank != 0:
         return {}
@@ -161,7 +176,37 @@ def markdown(result: dict) -> str:
             + " | ".join(cells)
             + " |"
         )
+    out += ["", *overlap(result)] if "0" in links and len(links) > 1 else []
     return "\n".join(out) + "\n"
+
+
+def overlap(result: dict) -> list[str]:
+    """Each simulated link's step against what full overlap would give: the longer of the
+    loopback step (compute, its own quantization included, communication at memory
+    speed) and the link time of the bytes this rank sent (bytes / bandwidth + latency per
+    collective)."""
+    res = result["results"]
+    latency_s = result["args"]["latency_us"] / 1e6
+    out = [
+        "step time vs max(compute, link): compute = the same mode and wire on loopback, "
+        "link = bytes/step x 8 / bandwidth + latency x collectives; waited: rank 0's time "
+        "in wait() per step (comm.stats.exposed_s), median over rounds",
+        "",
+        "| mode | wire | link | step s | compute s | link s | step / max | waited s/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, row in res.items():
+        mode, wire, link = key.split("/")
+        if float(link) == 0:
+            continue
+        compute = res[f"{mode}/{wire}/0"]["median_s"]
+        link_s = row["bytes"] * 8 / (float(link) * 1e9) + latency_s * row["calls"]
+        out.append(
+            f"| {mode} | {wire} | {link} Gb/s | {row['median_s']:.3f} | {compute:.3f} | "
+            f"{link_s:.3f} | {row['median_s'] / max(compute, link_s):.2f} | "
+            f"{statistics.median(row['exposed']):.3f} |"
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

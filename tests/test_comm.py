@@ -396,3 +396,33 @@ def test_a_handle_holds_its_tensors_until_the_compute_stream_waits(fake_cuda):
     h.wait()  # the compute stream waits for the collective's end event
     gc.collect()
     assert ref() is None  # released once waited for
+
+
+def test_a_chained_collective_is_launched_at_once_behind_the_first_on_cuda(fake_cuda):
+    # [Note: a collective chained on another]: on CUDA the second collective and the step
+    # before it are queued on the comm stream when the chain is made, not at wait()
+    t, u = torch.full((4,), 2.0), torch.full((4,), 2.0)
+    launched = []
+
+    def then() -> comm.Handle:
+        launched.append(len(comm.pending_timings))  # the first's busy timing is queued
+        return comm.all_reduce(u, average=True)
+
+    h = comm.chain(comm.all_reduce(t, average=True), then)
+    assert launched == [1] and comm.stats.calls["all_reduce"] == 2
+    h.wait()
+    comm.stats.settle()
+    assert t.tolist() == u.tolist() == [1.0] * 4
+
+
+def test_a_chained_step_that_raises_raises_at_wait(monkeypatch):
+    monkeypatch.setattr(comm, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda *a, **k: _CpuWork())
+
+    def then() -> comm.Handle:
+        raise RuntimeError("peer gone")
+
+    h = comm.chain(comm.all_reduce(torch.ones(4)), then)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        h.wait()

@@ -6,11 +6,37 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import run_distributed
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from trainer.comm.quantized import dequantize, n_blocks, pack, quantize, row_bytes, unpack
 
 EPS32 = torch.finfo(torch.float32).eps
 HALF_SUBNORMAL = 2.0**-150  # half the spacing of fp32 values below 2^-126
+
+
+class LargestNewFloat32(TorchDispatchMode):
+    """The largest fp32 storage, in elements, that a tensor op under it creates (not one of
+    its inputs' storages): the tensors a collective allocates, measured as they are made,
+    in the continuation thread too ([Note: a collective chained on another])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in given:
+                    self.largest = max(self.largest, storage.nbytes() // 4)
+        return out
 
 
 def _bound(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -127,8 +153,9 @@ def _collectives(env, block: int) -> dict:
     t[1001:] = torch.tensor([1.0, float(r), 0.0])
     before = t.clone()
     comm.stats.reset()
-    comm.all_reduce_int8(t, average=True, block=block, exact_tail=3).wait()
-    out["all_reduce"] = (before, t, dict(comm.stats.bytes_sent))
+    with LargestNewFloat32() as allocated:
+        comm.all_reduce_int8(t, average=True, block=block, exact_tail=3).wait()
+    out["all_reduce"] = (before, t, dict(comm.stats.bytes_sent), allocated.largest)
     # fp16 overflow: an inf on one rank reaches every rank as a non-finite gradient
     h = torch.randn(p, 64, generator=g)
     if r == p - 1:
@@ -258,6 +285,17 @@ def test_all_reduce_int8_identical_everywhere_and_within_two_quantizations(runs)
         "all_to_all": a2a,
         "all_gather": (p - 1) * row_bytes(chunk, 64),
     }
+
+
+def test_all_reduce_int8_allocates_no_fp32_copy_of_the_tensor(runs):
+    """[Note: int8 AllReduce in two chained phases]: the largest fp32 tensor it makes is
+    one chunk (this rank's sum and exact tail, or one chunk padded to whole blocks), not
+    the tensor's 1004 values."""
+    p, res = runs
+    chunk = -(-1001 // p)
+    for r in res:
+        assert 0 < r["all_reduce"][3] < chunk + 64  # block = 64
+        assert r["all_reduce"][3] < 1001  # no full copy, at any P
 
 
 def test_inf_on_one_rank_reaches_its_owner(runs):

@@ -17,6 +17,8 @@ and replica groups).
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+from torch.utils import _python_dispatch
 
 from trainer.comm import groups, sendrecv
 from trainer.comm.sendrecv import P2PWork
@@ -76,7 +79,17 @@ class CommStats:
 
 stats = CommStats()
 
-_accounting = True  # False inside unaccounted()
+# What `launch`, `wait` and the continuation thread ([Note: a collective chained on
+# another]) share: the counters above and the simulated link. Per thread: whether
+# collectives are accounted (`unaccounted()`) and the link time that `launch` hands to
+# the Handle made next.
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def _accounting() -> bool:
+    """False inside `unaccounted()` (in this thread)."""
+    return getattr(_local, "accounting", True)
 
 
 @contextlib.contextmanager
@@ -84,12 +97,11 @@ def unaccounted():
     """Collectives launched inside the block stay out of `stats` (bytes, calls, busy and
     exposed time, whenever they are waited or settled): evaluation and checkpoint traffic
     is not part of a training step's figures."""
-    global _accounting
-    saved, _accounting = _accounting, False
+    saved, _local.accounting = _accounting(), False
     try:
         yield
     finally:
-        _accounting = saved
+        _local.accounting = saved
 
 
 class Handle:
@@ -107,11 +119,11 @@ class Handle:
         start: torch.cuda.Event | None = None,
         group: dist.ProcessGroup | None = None,
     ):
-        global _link_due_s
         self._t0 = time.perf_counter()
-        self._link_s, _link_due_s = _link_due_s, 0.0  # [Note: a simulated link]
+        self._link_s = getattr(_local, "link_due_s", 0.0)  # [Note: a simulated link]
+        _local.link_due_s = 0.0
         self._keep = keep  # CUDA: tensors the comm stream uses, alive until wait()
-        self._account = _accounting
+        self._account = _accounting()
         self._end = None
         if keep and _is_cuda(keep[0]):
             self._end = _finish_on_comm_stream(work, post, keep[0].device, start, group)
@@ -121,6 +133,11 @@ class Handle:
         self.done = False
 
     def wait(self) -> None:
+        self._wait(exposed=True)
+
+    def _wait(self, exposed: bool) -> None:
+        """`exposed=False`: the continuation thread waits, not the caller ([Note: a
+        collective chained on another]): busy time, no exposed time."""
         if self.done:
             return
         if self._end is not None:
@@ -134,11 +151,13 @@ class Handle:
                 time.sleep(self._t0 + self._link_s - end)
                 end = time.perf_counter()
             if self._account:
-                stats.exposed_s += end - t
-                # Waits return in time order, so the part of [t0, end] not yet counted is
-                # what lies after the last counted end.
-                stats.busy_s += max(0.0, end - max(self._t0, stats.busy_until))
-                stats.busy_until = max(stats.busy_until, end)
+                with _lock:
+                    stats.exposed_s += end - t if exposed else 0.0
+                    # Waits return in time order (nearly, with the continuation thread
+                    # waiting too), so the part of [t0, end] not yet counted is what lies
+                    # after the last counted end.
+                    stats.busy_s += max(0.0, end - max(self._t0, stats.busy_until))
+                    stats.busy_until = max(stats.busy_until, end)
             if self._post is not None:
                 self._post()
         self._keep = ()
@@ -278,9 +297,128 @@ def on_comm_stream(*tensors: torch.Tensor | None, group: dist.ProcessGroup | Non
         return
     stream = _comm_stream(live[0].device, group)
     stream.wait_stream(_cuda.current_stream(stream.device))
-    start = _timing_event(stream) if _accounting else None
+    start = _timing_event(stream) if _accounting() else None
     with _cuda.stream(stream):
         yield start
+
+
+# [Note: a collective chained on another]
+# Some collectives need what another delivered: all_reduce_int8's AllGather sends the
+# owner's sum of what its all-to-all brought (quantized.py). Launched from `wait()`, the
+# second would start only when the caller waits (ddp: after backward, bucket after
+# bucket, nothing overlapping). `chain(first, then)` runs `then`, the finishing step and
+# the launch of the next collective (it returns that one's Handle), as soon as `first`
+# is done, without the caller waiting:
+#   CUDA: at once, on the host, inside `first`'s comm stream: `then`'s kernels and its
+#       collective queue behind `first` there, so the stream orders them and nothing
+#       blocks. Launched from the caller's thread in its order: the same on every rank.
+#   CPU (Gloo): one continuation thread per process takes the chains in the order they
+#       were made: waits for `first` (its simulated link included: the sum cannot start
+#       before the bytes arrive), then runs `then`. Its collective must go over a group
+#       no other thread launches on (quantized.py uses a twin, groups.gather_group):
+#       two threads launching on one group interleave differently on every rank and
+#       would pair different collectives. One thread, in submission order, keeps one
+#       order on the twin, the same on every rank.
+# `then` runs under the dispatch modes the chain was made under, so a mode that samples
+# every tensor op (the CPU step peak, observe/heap.py) sees its tensors too, and its
+# collective is accounted as the caller's would be (not if made in `unaccounted()`).
+# The chained Handle's `wait()` waits for `then` to have run (re-raising what it
+# raised), then for its collective; on CPU the caller's exposed time is that whole wait,
+# the continuation's own wait for `first` counts as busy time only.
+
+
+class Chained(Handle):
+    """`first`, then the collective `then` launches once `first` is done, in flight as
+    one Handle. [Note: a collective chained on another]"""
+
+    __slots__ = ("_first", "_then", "_next", "_ran", "_error", "_modes", "_host")
+
+    def __init__(self, first: Handle, then: Callable[[], Handle]):
+        super().__init__(None)
+        self._first, self._then = first, then
+        self._next: Handle | None = None
+        self._error: BaseException | None = None
+        self._ran = threading.Event()
+        self._modes = _python_dispatch._get_current_dispatch_mode_stack()
+        self._host = first._end is None  # CPU: the continuation thread runs `then`
+
+    def _run(self, wait_first: bool) -> None:
+        """Wait for `first` (CPU; on CUDA the comm stream has it), then run `then` as
+        the caller would have: its accounting setting and dispatch modes."""
+        saved = _accounting()
+        _local.accounting = self._account
+        pushed = 0
+        try:
+            if wait_first:
+                self._first._wait(exposed=False)
+            for mode in self._modes:
+                _python_dispatch._push_mode(mode)
+                pushed += 1
+            with torch.no_grad():
+                self._next = self._then()
+        except BaseException as e:  # handed to the caller at wait()
+            self._error = e
+        finally:
+            for _ in range(pushed):
+                _python_dispatch._pop_mode()
+            _local.accounting = saved
+            self._then = self._modes = None
+            self._ran.set()
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t = time.perf_counter()
+        self._ran.wait()
+        if self._account and self._host:  # (CUDA: `then` has run at launch)
+            with _lock:
+                stats.exposed_s += time.perf_counter() - t
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        self._next.wait()  # counts its own exposed time
+        self._first = self._next = None  # CUDA: `first`'s buffers, kept until now
+        self.done = True
+
+
+class _Continuations:
+    """The continuation thread: runs chains in the order they were made."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Chained] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, chain: Chained) -> None:
+        if self._thread is None or not self._thread.is_alive():  # none yet, or forked
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, name="comm-chain", daemon=True)
+            self._thread.start()
+        self._queue.put(chain)
+
+    def _serve(self) -> None:
+        while True:
+            chain = self._queue.get()
+            chain._run(wait_first=True)
+            chain = None  # holds no buffers (nor groups) while idle
+
+
+_continuations = _Continuations()
+
+
+def chain(first: Handle, then: Callable[[], Handle], group=None) -> Handle:
+    """A Handle for `first` (launched over `group`) followed by the collective that
+    `then` launches (its Handle returned) once `first` is done: at once behind it on the
+    comm stream (CUDA), or from the continuation thread (CPU), whose collectives must go
+    over a group nothing else launches on. [Note: a collective chained on another]"""
+    chained = Chained(first, then)
+    if chained._host:
+        _continuations.submit(chained)
+        return chained
+    stream = _comm_stream(first._keep[0].device, group)
+    with _cuda.stream(stream):
+        stream.wait_event(first._end)  # `first` and its finishing step, on this stream
+        chained._run(wait_first=False)
+    return chained
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -294,21 +432,23 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 def launch(op: str, tag: str, sent: float, account: bool = True, group=None) -> None:
     """Count, trace and (under `delayed()`) hold back the launch of `op` sending `sent`
     bytes: what every collective does first, the ones in all_to_all.py included."""
-    global _link_due_s, _link_free_at
+    global _link_free_at
     if _delay_s:
         time.sleep(_delay_s)
-    if _link is not None and sent > 0:  # [Note: a simulated link]: the Handle made next
-        now = time.perf_counter()
-        _link_free_at = max(now, _link_free_at) + sent * 8 / (_link[0] * 1e9) + _link[1]
-        _link_due_s = _link_free_at - now
-    if account and _accounting:
-        stats.bytes_sent[op] += sent
-        stats.calls[op] += 1
-        if groups.crosses_groups(group):  # [Note: hybrid sharding] in groups.py
-            stats.bytes_across += sent
-    record(f"launch:{op}", tag)
-    if _members is not None:
-        _members.append((op, tuple(dist.get_process_group_ranks(group or dist.group.WORLD))))
+    with _lock:  # the continuation thread launches too
+        if _link is not None and sent > 0:  # [Note: a simulated link]: the Handle made next
+            now = time.perf_counter()
+            _link_free_at = max(now, _link_free_at) + sent * 8 / (_link[0] * 1e9) + _link[1]
+            _local.link_due_s = _link_free_at - now
+        if account and _accounting():
+            stats.bytes_sent[op] += sent
+            stats.calls[op] += 1
+            if groups.crosses_groups(group):  # [Note: hybrid sharding] in groups.py
+                stats.bytes_across += sent
+        record(f"launch:{op}", tag)
+        if _members is not None:
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            _members.append((op, ranks))
 
 
 # [Note: averaging over ranks]
@@ -537,7 +677,7 @@ def _check_split(shard: torch.Tensor, full: torch.Tensor, p: int, op: str) -> No
 # show what fewer bytes buy on a network. CPU (Gloo) only: on CUDA the delay would have
 # to run on the comm stream; the run refuses `comm.link_gbps` there (run/loop.py).
 _link: tuple[float, float] | None = None  # (Gb/s, latency s)
-_link_due_s = 0.0  # the link time of the collective being launched, for its Handle
+# _local.link_due_s: the link time of the collective being launched, for its Handle
 _link_free_at = 0.0  # perf_counter() time at which the link has sent all launched bytes
 
 

@@ -106,8 +106,9 @@ def gather_group(group: dist.ProcessGroup | None = None, role: str = "gather") -
     whatever order they interleave with `group`'s on each rank (fsdp's AllGathers, [Note:
     one collective order on every rank] in parallel/schedule.py; role "again": the
     AllGathers of a unit called again, [Note: a unit called again after another] in
-    parallel/calls.py). Every rank must first call it at the same point, for every group
-    of a partition (see `mesh`)."""
+    parallel/calls.py; role "int8": all_reduce_int8's AllGathers on Gloo, [Note: int8
+    AllReduce in two chained phases] in quantized.py). Every rank must first call it at
+    the same point, for every group of a partition (see `mesh`)."""
     key = (group if group is not None else dist.group.WORLD, role)
     if key not in _second:
         if group is None:

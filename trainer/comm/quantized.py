@@ -8,7 +8,9 @@ fp32's bytes, one fp32 scale per `block` values included ([Note: int8 blocks]).
 Each packs its values on the compute stream and hands the bytes to collectives.py's
 `all_gather` or all_to_all.py's `all_to_all` (byte counting of what is handed over,
 scales included; test hooks; Gloo fast path; comm stream); the returned Handle
-dequantizes (and sums) once that collective is waited for.
+dequantizes (and sums) once that collective is waited for. The AllReduce's second
+collective is chained on its first, launched once that one has arrived ([Note: int8
+AllReduce in two chained phases]).
 """
 
 from __future__ import annotations
@@ -16,9 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from trainer.comm.all_to_all import all_to_all
-from trainer.comm.collectives import Handle, all_gather, all_reduce, reduce_scatter, world_size
+from trainer.comm.collectives import (
+    Handle,
+    all_gather,
+    all_reduce,
+    chain,
+    free_storage,
+    reduce_scatter,
+    world_size,
+)
+from trainer.comm.groups import gather_group
 
 QMAX = 127  # int8 values in [-127, 127]: symmetric, so -x quantizes to -q(x)
 
@@ -256,6 +268,35 @@ def reduce_scatter_int8(
     return Then(handle, summed)
 
 
+def prepare_all_reduce_int8(group=None) -> None:
+    """Make the group `all_reduce_int8` over `group` sends its AllGathers on, on Gloo (a
+    twin of `group`, [Note: int8 AllReduce in two chained phases]): every rank must call
+    it at the same point, as groups.gather_group says (engines: when they are built).
+    `all_reduce_int8` makes it too when it is missing, which is at the same point only
+    where every rank launches the same collectives in the same order."""
+    if world_size(group) > 1 and dist.get_backend(group) == "gloo":
+        gather_group(group, "int8")
+
+
+# [Note: int8 AllReduce in two chained phases]
+# all_reduce_int8 is a ReduceScatter (int8 all-to-all, fp32 sum at each chunk's owner) and
+# an AllGather of the owner's sum, quantized once more. The second phase needs the first's
+# bytes, and must not wait for the caller's wait(): ddp launches a bucket during backward
+# and waits for it after, so a second phase started at wait() would send every bucket's
+# second half after backward, one after another, none of it overlapping compute. It is
+# chained on the first ([Note: a collective chained on another] in collectives.py): on
+# CUDA queued behind the all-to-all on the comm stream at launch; on CPU launched by the
+# continuation thread as soon as the all-to-all has arrived, over a twin of `group`
+# (`prepare_all_reduce_int8`), since the caller keeps launching on `group` meanwhile.
+# Both phases go through collectives.py's launch path (bytes counted, traced, the
+# simulated link) as any collective does.
+# No fp32 copy of the whole tensor: the rows sent are packed from the tensor's own chunks
+# (only a chunk past its end is zero-padded, one chunk's temporary), the sum and its
+# quantization are one chunk's, and the gathered rows are dequantized straight into the
+# tensor at wait(). The quantized bytes, the summation order and so the result are what
+# a copy, padded whole, would give: each chunk is quantized alone either way.
+
+
 def all_reduce_int8(
     tensor: torch.Tensor,
     *,
@@ -271,29 +312,50 @@ def all_reduce_int8(
     all-to-all and summed in fp32 by its owner, which quantizes the sum once and
     all-gathers it as int8; every rank, the owner included, keeps the dequantized result.
     The last `exact_tail` values go exactly to every rank in the same all-to-all and are
-    summed there. The AllGather is launched when the handle is waited for: handles must
-    be waited for in the order they were launched, the same on every rank. `error`
-    (P, chunk) fp32: error feedback on the first quantization, see `pack`."""
+    summed there. The AllGather is launched as soon as the all-to-all has arrived, not at
+    wait() ([Note: int8 AllReduce in two chained phases]); `tensor` is read at launch and
+    written at wait(). `error` (P, chunk) fp32: error feedback on the first quantization,
+    see `pack`."""
     p = world_size(group)
     if p == 1:  # the sum (and mean) over one rank is the tensor itself
         return all_reduce(tensor, tag=tag, group=group)
     n = tensor.numel() - exact_tail
     chunk = chunk_of(n, p)
     flat = tensor.detach().view(-1)
-    values = flat.new_zeros(p * chunk, dtype=torch.float32)
-    values[:n] = flat[:n]
-    tail = flat[n:].float().expand(p, exact_tail) if exact_tail else None
-    send = pack(values.view(p, chunk), block, tail, error)  # (P, row_bytes)
+    tail = flat[n:].float().view(1, exact_tail) if exact_tail else None
+    send = flat.new_empty((p, row_bytes(chunk, block, exact_tail)), dtype=torch.uint8)
+    for r in range(p):  # chunk by chunk from `flat`: no copy of it
+        lo, hi = min(r * chunk, n), min((r + 1) * chunk, n)
+        values = flat[lo:hi]
+        if hi - lo < chunk:  # past the end: zero-padded, one chunk's temporary
+            values = torch.cat([values.float(), values.new_zeros(chunk - hi + lo).float()])
+        err = None if error is None else error[r : r + 1]
+        send[r].copy_(pack(values.view(1, chunk), block, tail, err)[0])
     received = torch.empty_like(send)
-    handle = all_to_all(received, send, tag=tag, group=group)
+    exchanged = all_to_all(received, send, tag=tag, group=group)
+    # the AllGather's group: on CPU the twin that only the continuation thread uses
+    twin = group if flat.is_cuda else gather_group(group, "int8")
+    rows = send.new_empty(p, row_bytes(chunk, block))  # (P, row_bytes): every owner's sum
+    mine = flat.new_empty(chunk + exact_tail, dtype=torch.float32)  # this rank's chunk, tail
 
-    def gathered() -> None:
-        mine = values.new_empty(chunk + exact_tail)  # this rank's chunk, then the tail
+    def summed_and_gathered() -> Handle:
         _sum_into(mine, received, chunk, block, exact_tail)
+        if not flat.is_cuda:  # done with: freed now, not when Gloo's thread lets go
+            free_storage(received)
+            free_storage(send)
         if average and p > 1:
             mine.div_(p)
-        all_gather_int8(values, mine[:chunk], block=block, tag=tag, group=group).wait()
-        flat[:n].copy_(values[:n])
+        packed = pack(mine[:chunk].view(1, chunk), block).view(-1)  # (row_bytes,)
+        return all_gather(rows.view(-1), packed, tag=tag, group=twin)
+
+    handle = chain(exchanged, summed_and_gathered, group)
+
+    def dequantized() -> None:
+        for r in range(p):  # row by row, into `flat` (a temporary only if unaligned)
+            lo, hi = min(r * chunk, n), min((r + 1) * chunk, n)
+            q, scale, _ = _fields(rows[r], chunk, block, 0)
+            if hi > lo:
+                dequantize(q, scale, hi - lo, out=flat[lo:hi])
         flat[n:].copy_(mine[chunk:])
 
-    return Then(handle, gathered)
+    return Then(handle, dequantized)

@@ -16,7 +16,8 @@ copy of it) as `.grad`; the optimizer steps the masters and the module's paramet
 cast from them. With `reduce_dtype=int8` the fp32 buckets are AllReduced as int8 blocks
 both ways (comm/quantized.py `all_reduce_int8`: quantized, all-to-all, summed in fp32 by
 each chunk's owner, quantized once more and AllGathered), every rank keeping the same
-dequantized mean.
+dequantized mean; both phases are launched while backward runs, the AllGather as soon as
+the all-to-all has arrived ([Note: int8 AllReduce in two chained phases]).
 
 Parameters no rank used get no gradient, as in torch DDP: the last bucket carries one
 used-flag per parameter ([Note: used flags] in used.py). The end of backward (waiting for
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from trainer import comm
-from trainer.comm.quantized import chunk_of
+from trainer.comm.quantized import chunk_of, prepare_all_reduce_int8
 from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, ShardGroup
 from trainer.parallel.experts import ExpertPlan
@@ -100,6 +101,10 @@ class DDPEngine(Engine):
             _Bucket(i, ps, mp.reduce_dtype, len(params) if i == len(grouped) - 1 else 0, group)
             for i, (ps, group) in enumerate(grouped)
         ]
+        if mp.reduce_int8:  # the groups of the AllGathers, made here at the same point on
+            # every rank ([Note: int8 AllReduce in two chained phases] in comm/quantized.py)
+            for group in {id(b.group): b.group for b in self.buckets}.values():
+                prepare_all_reduce_int8(group)
         params = [p for _, p in named]
         # [Note: used flags]: this rank's use of each parameter, in the last bucket
         self._flags = self.buckets[-1].buffer[self.buckets[-1].layout.numel :]  # (n,)

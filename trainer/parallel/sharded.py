@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from trainer import comm
 from trainer.comm.groups import Mesh
+from trainer.comm.quantized import prepare_all_reduce_int8
 from trainer.models.materialize import Request
 from trainer.parallel import pieces
 from trainer.parallel.engine import OptimizerFactory
@@ -86,6 +87,8 @@ class ShardedBuffer:
         self.pieces = pieces.cut(self.names, flags, self.layout, self.master, self.shard_rank)
         self.reduce_dtype = precision.reduce_dtype
         self.precision = precision  # int8 on the wire ([Note: int8 on the wire])
+        if precision.reduce_int8 and mesh.replicate is not None:  # made at the same point
+            prepare_all_reduce_int8(mesh.replicate)  # on every rank
         self.error: torch.Tensor | None = None  # (N, S) fp32: error feedback's last error
         self.n_flags = 0  # used-flag columns its ReduceScatter carries ([Note: used flags])
         self.grad_shard: torch.Tensor | None = None  # (S,) fp32, summed over synced backwards
