@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from trainer import comm
 from trainer.errors import ConfigError
+from trainer.observe import host
 
 
 def agree(fn, *args: Any) -> Any:
@@ -33,7 +34,7 @@ def first_error(error: Any, device: torch.device) -> Any:
     if error is not None:
         failed[comm.rank()] = 1
     comm.all_reduce(failed, tag="checkpoint", account=False).wait()
-    ranks = failed.nonzero().flatten().tolist()
+    ranks = [r for r, f in enumerate(host.tolist(failed, "checkpoint errors")) if f]
     if not ranks:
         return None
     message = [error]

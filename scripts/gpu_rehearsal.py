@@ -1,0 +1,364 @@
+"""Rehearse the GPU run without a GPU: the real engines for a few steps on fake CUDA
+tensors, one rank of P = 8, 2 and 4 (the first and the last), through every CUDA branch,
+with the stream order, buffer lifetimes and host reads checked (docs/gpu_check.md).
+
+    .venv/bin/python scripts/gpu_rehearsal.py              # every combination
+    .venv/bin/python scripts/gpu_rehearsal.py -k fsdp      # those whose name has "fsdp"
+    .venv/bin/python scripts/gpu_rehearsal.py --coverage   # and count the CUDA-only lines run
+
+One line per combination (`ok` or `FAILED: <why>`), then a verdict; exit status 0 only if
+every combination ran. Nothing is allocated and no kernel runs ([Note: fake CUDA tensors]
+in trainer/rehearse/cuda.py), so the whole table takes seconds; what it cannot see
+(kernels, NCCL itself, real overlap and timing) is scripts/gpu_check.sh's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
+
+from trainer import checkpoint  # noqa: E402
+from trainer.checkpoint import agree  # noqa: E402
+from trainer.comm import collectives, groups  # noqa: E402
+from trainer.config.checks import engine_options  # noqa: E402
+from trainer.models import builtin  # noqa: E402
+from trainer.models.materialize import SeededInit, empty_weights  # noqa: E402
+from trainer.observe.memory import MemoryMonitor  # noqa: E402
+from trainer.observe.metrics import IntervalMetrics, peak_flops  # noqa: E402
+from trainer.parallel import build_engine, experts  # noqa: E402
+from trainer.rehearse import Checker, fake_cuda, fake_world  # noqa: E402
+from trainer.run import loop  # noqa: E402
+from trainer.run.guard import Guard  # noqa: E402
+from trainer.run.optim import lr_scheduler, optimizer_factory, param_options  # noqa: E402
+
+# (world size, rank): each world seen from its first and its last rank
+WORLDS = [(8, 0), (8, 7), (2, 0), (2, 1), (4, 0), (4, 3)]
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One line of the table: Hydra overrides on top of BASE, and what the run does."""
+
+    name: str
+    overrides: tuple[str, ...]
+    model: str = "gpt"  # gpt | gpt_moe
+    steps: int = 2
+    resume: bool = False  # save after the steps, build again, resume, one more step
+    worlds: tuple[tuple[int, int], ...] = tuple(WORLDS)
+
+
+BASE = (
+    "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+    "train.batch_size=16", "train.steps=4", "train.log_every=2", "train.eval_every=0",
+    "train.save_final=false", "ckpt.every=0", "data=tokens",
+)  # fmt: skip
+
+
+def combos() -> list[Combo]:
+    out = []
+    fsdp = {"fsdp": ("mode=fsdp",), "fsdp-keep": ("mode=fsdp", "mode.reshard_after_forward=false")}
+    modes = {"ddp": ("mode=ddp",), "zero": ("mode=zero",), **fsdp}
+    for mode, mode_over in modes.items():
+        for precision in ("fp32", "bf16"):
+            out.append(Combo(f"{mode} {precision}", (*mode_over, f"precision={precision}")))
+        out.append(  # the loss scaler on the device, clipping, accumulation
+            Combo(
+                f"{mode} fp16, clipping, accumulation",
+                (
+                    *mode_over,
+                    "precision=fp16",
+                    "optim.clip_grad_norm=1.0",
+                    "train.grad_accum_steps=2",
+                ),
+            )  # fmt: skip
+        )
+    for mode, mode_over in modes.items():
+        int8 = ("mode.reduce_dtype=int8",) + (() if mode == "ddp" else ("mode.gather_dtype=int8",))
+        out.append(Combo(f"{mode} int8 communication", (*mode_over, *int8)))
+    for mode in ("zero", "fsdp", "fsdp-keep"):
+        out.append(
+            Combo(
+                f"{mode} hybrid sharding (S=2)",
+                (*modes[mode], "mode.shard_group_size=2"),
+                worlds=tuple(w for w in WORLDS if w[0] > 2),
+            )
+        )
+    for mode, mode_over in modes.items():
+        out.append(
+            Combo(
+                f"{mode} MoE expert parallelism (E=2)",
+                (*mode_over, "model=gpt_moe", "mode.expert_parallel=2", "model.n_experts=4"),
+                model="gpt_moe",
+            )
+        )
+    for (mode, mode_over), background in zip(
+        modes.items(), (False, True, False, True), strict=True
+    ):
+        what = "async (host copy) " if background else ""
+        out.append(
+            Combo(
+                f"{mode} {what}checkpoint save and resume",
+                (*mode_over, f"ckpt.async={str(background).lower()}"),
+                resume=True,
+                # rank 0 writes meta.pt and commits: a lone other rank has no checkpoint
+                # to resume (its own file is written the same way, before the commit)
+                worlds=tuple(w for w in WORLDS if w[1] == 0),
+            )
+        )
+    # offload=host: not in the trainer yet; its combinations go here once it is.
+    return out
+
+
+def worlds_of(i: int, combo: Combo, every: bool) -> list[tuple[int, int]]:
+    """Every world of the combination, or (the default, seconds instead of minutes) one,
+    in turn down the table: each world and each end of it comes up in every mode."""
+    if every:
+        return list(combo.worlds)
+    return [combo.worlds[i % len(combo.worlds)]]
+
+
+_composed: dict[tuple[str, ...], Any] = {}
+
+
+def config(overrides: tuple[str, ...]):
+    """Hydra's config for `overrides`: composed once per choice of groups (0.5 s each),
+    the other values set on a copy."""
+    chosen = tuple(o for o in overrides if o.split("=")[0] in ("mode", "model"))
+    chosen = chosen if any(o.startswith("model=") for o in chosen) else ("model=gpt", *chosen)
+    if chosen not in _composed:
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            _composed[chosen] = compose("config", overrides=[*chosen, *BASE])
+    cfg = copy.deepcopy(_composed[chosen])
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if key not in ("mode", "model"):
+            OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)
+    return cfg
+
+
+def reset() -> None:
+    """What the trainer keeps per process: each combination starts from none of it."""
+    collectives._streams.clear()
+    collectives.pending_timings.clear()
+    collectives.stats.reset()
+    for cache in (groups._meshes, groups._second, groups._partition, groups._expert_groups):
+        cache.clear()
+    groups._across.clear()
+    checkpoint.drop_save()
+
+
+def build(cfg, device: torch.device):
+    """The model on meta, the engine as train.py builds it ([Note: building on meta])."""
+    torch.manual_seed(cfg.seed)
+    with empty_weights():
+        if cfg.model._target_.endswith("GPTMoE"):
+            model = builtin.GPTMoE(**_sizes(cfg), n_experts=cfg.model.n_experts, top_k=2)
+        else:
+            model = builtin.GPT(**_sizes(cfg))
+    engine = build_engine(
+        model,
+        cfg.mode.name,
+        optimizer_factory(cfg.optim),
+        precision=cfg.precision,
+        loss_scale=dict(cfg.loss_scale),
+        param_options=param_options(cfg.optim),
+        source=SeededInit(cfg.seed),
+        device=device,
+        **engine_options(cfg),
+    )
+    return engine
+
+
+def _sizes(cfg) -> dict[str, int]:
+    m = cfg.model
+    return dict(
+        vocab_size=64, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
+        n_embd=m.n_embd,
+    )  # fmt: skip
+
+
+def make_run(cfg, engine, env, run_dir: Path):
+    psi = sum(p.numel() for p in engine.module.parameters())
+    scheduler = lr_scheduler(
+        engine.optimizer, cfg.optim, cfg.train.steps, on_device=engine.skips_on_device
+    )
+    metrics = IntervalMetrics(
+        env.device,
+        memory=MemoryMonitor(engine, psi, cfg.train.peak_every),
+        flops_per_token=6 * psi,
+        peak_flops=peak_flops(env.device, engine.precision.param_dtype),
+    )
+    per_rank = cfg.train.batch_size // env.world_size
+    block = cfg.model.block_size
+
+    def batches():
+        while True:  # on the host, moved by the step as the loader's batches are
+            x = torch.randint(0, 64, (per_rank, block))
+            yield x, torch.randint(0, 64, (per_rank, block))
+
+    resumable = {"scheduler": scheduler, "loss_scaler": engine.scaler}
+    return loop.Run(
+        cfg, env, run_dir, None, engine, scheduler, batches(), None, None, metrics, None,
+        resumable, scheduler.get_last_lr()[0], Guard(env.device), loop.Every.of(cfg),
+    )  # fmt: skip
+
+
+def rehearse(combo: Combo, p: int, rank: int, tmp: Path, plant: Callable | None = None) -> str:
+    """One combination at one (world size, rank); raises on any violation."""
+    cfg = config(combo.overrides)
+    reset()
+    device = torch.device("cuda", 0)
+    with fake_world(rank, p) as world, fake_cuda() as c, counting_routed():
+        values(c, cfg, p)
+        env = SimpleNamespace(device=device, world_size=p, rank=rank, is_rank0=rank == 0)
+        engine = build(cfg, device)
+        run = make_run(cfg, engine, env, tmp)
+        engine.train()
+        for step in range(1, combo.steps + 1):
+            with c.step():
+                loop.train_step(run, step)
+            if run.every.check(step):
+                loop.check_step(run, step)
+            if run.every.log(step):
+                run.metrics.reduce()
+        if combo.resume:  # a save, then a load into the same engine and one more step
+            path = checkpoint.save(
+                tmp / "ckpt",
+                combo.steps,
+                engine,
+                in_background=bool(cfg.ckpt.get("async")),
+                **run.resumable,
+            )
+            checkpoint.finish_save()
+            start = checkpoint.load(path, engine, **run.resumable)
+            with c.step():
+                loop.train_step(run, start + 1)
+        c.check()
+        return f"{c.ops} ops, {len(world.calls)} collectives"
+
+
+def values(c: Checker, cfg, p: int) -> None:
+    """The made-up answers of the host reads the code means to make."""
+    c.values["check step"] = lambda t: [0.0] * t.numel()  # no bad step, no stop
+    c.values["fp16 found_inf"] = lambda t: 0.0
+    c.values["loss scaler"] = lambda t: (
+        [float(cfg.loss_scale.init_scale), 0.0, 0.0] if t.numel() == 3 else 0.0
+    )
+    c.values["async save"] = lambda t: [0.0, 0.0]  # every rank done writing, none failed
+    c.values["fsdp gather check"] = lambda t: True
+    c.values["lr schedule"] = lambda t: 1 if t.numel() == 1 else [1] * t.numel()
+    c.values["checkpoint errors"] = lambda t: [0.0] * t.numel()  # no rank failed
+    c.values["expert split sizes"] = expert_split_sizes
+
+
+_routed = [0]  # rows the last MoE layer routed (T * k): balanced split sizes need it
+
+
+def expert_split_sizes(t: torch.Tensor) -> list[int]:
+    """A balanced routing's sizes: each of the n experts (counts: t.numel() == n) gets
+    T*k/n rows; under expert parallelism (counts and received, 2n) each source sends the
+    same ([Note: routing in a pass without values] in trainer/parallel/experts.py)."""
+    n = t.numel()
+    if n == 2 * _experts[0]:
+        half = experts._balanced_sizes(_routed[0], n // 2)
+        return half + half
+    return experts._balanced_sizes(_routed[0], n)
+
+
+_experts = [0]
+
+
+@contextlib.contextmanager
+def counting_routed() -> Iterator[None]:
+    counts = experts.expert_counts
+
+    def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+        _routed[0], _experts[0] = ids.numel(), n
+        return counts(ids, n)
+
+    # Host arithmetic on the split sizes read already (Python ints): real, as on a GPU
+    # machine, where fake tensors could not hold its data-dependent shapes
+    major = experts._expert_major
+
+    def expert_major(recv: list[int], e: int, nl: int) -> torch.Tensor:
+        with _disable_current_modes():
+            return major(recv, e, nl)
+
+    # Every simulated rank does what this one does: a failure here is every rank's
+    first_error = agree.first_error
+
+    def own_first_error(error: Any, device: torch.device) -> Any:
+        agreed = first_error(error, device)
+        return agreed if error is None else error
+
+    experts.expert_counts, experts._expert_major = expert_counts, expert_major
+    agree.first_error = own_first_error
+    try:
+        yield
+    finally:
+        experts.expert_counts, experts._expert_major = counts, major
+        agree.first_error = first_error
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-k", default="", help="only the combinations whose name contains this")
+    ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
+    ap.add_argument("--coverage", action="store_true", help="count the CUDA-only lines run")
+    ap.add_argument(
+        "--all-worlds",
+        action="store_true",
+        help="every combination at P=8, 2, 4, first and last rank",
+    )
+    args = ap.parse_args(argv)
+    chosen = [c for c in combos() if args.k in c.name]
+    failed = 0
+    t0 = time.perf_counter()
+    for i, combo in enumerate(chosen):
+        t = time.perf_counter()
+        problems = []
+        worlds = worlds_of(i, combo, args.all_worlds)
+        for p, rank in worlds:
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    rehearse(combo, p, rank, Path(tmp))
+                except Exception as e:  # every failure is a line of the table
+                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    problems.append(f"P={p} rank {rank}: {type(e).__name__}: {first}")
+                    if args.verbose:
+                        traceback.print_exc()
+        seen = ", ".join(f"P={p} rank {r}" for p, r in worlds)
+        if problems:
+            failed += 1
+            print(f"{combo.name}: FAILED ({problems[0]})", flush=True)
+        else:
+            print(f"{combo.name}: ok ({seen}, {time.perf_counter() - t:.1f} s)", flush=True)
+    print(
+        f"gpu_rehearsal: {'PASS' if not failed else 'FAIL'} ({len(chosen) - failed} of "
+        f"{len(chosen)} combinations, {time.perf_counter() - t0:.0f} s)"
+    )
+    return 0 if not failed and chosen else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
