@@ -15,8 +15,11 @@ in trainer/rehearse/cuda.py), so the whole table takes seconds; what it cannot s
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
+import os
+import re
 import sys
 import tempfile
 import time
@@ -24,7 +27,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,7 @@ import yaml  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from trainer import checkpoint  # noqa: E402
 from trainer.checkpoint import agree  # noqa: E402
@@ -44,9 +47,10 @@ from trainer.config.checks import engine_options  # noqa: E402
 from trainer.models import builtin  # noqa: E402
 from trainer.models.materialize import SeededInit, empty_weights  # noqa: E402
 from trainer.observe.memory import MemoryMonitor  # noqa: E402
-from trainer.observe.metrics import IntervalMetrics, peak_flops  # noqa: E402
+from trainer.observe.metrics import IntervalMetrics, Rank0Writer, peak_flops  # noqa: E402
 from trainer.parallel import build_engine, experts  # noqa: E402
 from trainer.rehearse import Checker, fake_cuda, fake_world  # noqa: E402
+from trainer.run import dist as tdist  # noqa: E402
 from trainer.run import loop  # noqa: E402
 from trainer.run.guard import Guard  # noqa: E402
 from trainer.run.optim import lr_scheduler, optimizer_factory, param_options  # noqa: E402
@@ -157,7 +161,10 @@ def config(overrides: tuple[str, ...]):
 
 
 def reset() -> None:
-    """What the trainer keeps per process: each combination starts from none of it."""
+    """What the trainer keeps per process: each combination starts from none of it. The
+    bound on unread timing events is lowered so that a few steps pass it (its settle
+    without a host sync, [Note: communication streams])."""
+    collectives.MAX_PENDING = 8
     collectives._streams.clear()
     collectives.pending_timings.clear()
     collectives.stats.reset()
@@ -197,6 +204,35 @@ def _sizes(cfg) -> dict[str, int]:
     )  # fmt: skip
 
 
+def joined(rank: int, p: int, cfg) -> tdist.DistEnv:
+    """trainer/run/dist.py's init as torchrun would have it run on a node of min(P, 8)
+    GPUs: the backend resolved to NCCL, this rank's GPU chosen and made current (the
+    group itself is the fake world's)."""
+    per_node = min(p, 8)
+    current = [0]
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", NCCL_ENV)}
+    saved = (torch.cuda.is_available, torch.cuda.device_count, torch.cuda.set_device)
+    saved_current, tf32 = torch.cuda.current_device, torch.backends.cudnn.allow_tf32
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(p), LOCAL_RANK=str(rank % per_node))
+    torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: per_node)
+    torch.cuda.set_device = lambda d: current.__setitem__(0, torch.device(d).index)
+    try:
+        env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    finally:
+        torch.cuda.is_available, torch.cuda.device_count, torch.cuda.set_device = saved
+        torch.backends.cudnn.allow_tf32 = tf32
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    # "cuda" from now on means this rank's GPU, as after torch.cuda.set_device
+    torch.cuda.current_device = lambda: current[0]
+    _restore.append(lambda: setattr(torch.cuda, "current_device", saved_current))
+    return env
+
+
+_restore: list[Callable[[], None]] = []
+NCCL_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
 def make_run(cfg, engine, env, run_dir: Path):
     psi = sum(p.numel() for p in engine.module.parameters())
     scheduler = lr_scheduler(
@@ -217,44 +253,51 @@ def make_run(cfg, engine, env, run_dir: Path):
             yield x, torch.randint(0, 64, (per_rank, block))
 
     resumable = {"scheduler": scheduler, "loss_scaler": engine.scaler}
+    writer = Rank0Writer(run_dir, enabled=False)
+    bar = tqdm(total=cfg.train.steps, disable=True)
     return loop.Run(
-        cfg, env, run_dir, None, engine, scheduler, batches(), None, None, metrics, None,
+        cfg, env, run_dir, None, engine, scheduler, batches(), None, writer, metrics, bar,
         resumable, scheduler.get_last_lr()[0], Guard(env.device), loop.Every.of(cfg),
     )  # fmt: skip
 
 
-def rehearse(combo: Combo, p: int, rank: int, tmp: Path, plant: Callable | None = None) -> str:
+def rehearse(combo: Combo, p: int, rank: int, tmp: Path) -> str:
     """One combination at one (world size, rank); raises on any violation."""
     cfg = config(combo.overrides)
+    max_pending = collectives.MAX_PENDING
     reset()
-    device = torch.device("cuda", 0)
-    with fake_world(rank, p) as world, fake_cuda() as c, counting_routed():
-        values(c, cfg, p)
-        env = SimpleNamespace(device=device, world_size=p, rank=rank, is_rank0=rank == 0)
-        engine = build(cfg, device)
-        run = make_run(cfg, engine, env, tmp)
-        engine.train()
-        for step in range(1, combo.steps + 1):
-            with c.step():
-                loop.train_step(run, step)
-            if run.every.check(step):
-                loop.check_step(run, step)
-            if run.every.log(step):
-                run.metrics.reduce()
-        if combo.resume:  # a save, then a load into the same engine and one more step
-            path = checkpoint.save(
-                tmp / "ckpt",
-                combo.steps,
-                engine,
-                in_background=bool(cfg.ckpt.get("async")),
-                **run.resumable,
-            )
-            checkpoint.finish_save()
-            start = checkpoint.load(path, engine, **run.resumable)
-            with c.step():
-                loop.train_step(run, start + 1)
-        c.check()
-        return f"{c.ops} ops, {len(world.calls)} collectives"
+    try:
+        with fake_world(rank, p) as world, fake_cuda() as c, counting_routed():
+            values(c, cfg, p)
+            env = joined(rank, p, cfg)
+            engine = build(cfg, env.device)  # the rank's GPU, as the loop passes it
+            run = make_run(cfg, engine, env, tmp)
+            engine.train()
+            for step in range(1, combo.steps + 1):
+                with c.step():
+                    loop.train_step(run, step)
+                if run.every.check(step):
+                    loop.check_step(run, step)
+                if run.every.log(step):
+                    loop.log_metrics(run, step)
+            if combo.resume:  # a save, then a load into the same engine and one more step
+                path = checkpoint.save(
+                    tmp / "ckpt",
+                    combo.steps,
+                    engine,
+                    in_background=bool(cfg.ckpt.get("async")),
+                    **run.resumable,
+                )
+                checkpoint.finish_save()
+                start = checkpoint.load(path, engine, **run.resumable)
+                with c.step():
+                    loop.train_step(run, start + 1)
+            c.check()
+            return f"{c.ops} ops, {len(world.calls)} collectives"
+    finally:
+        collectives.MAX_PENDING = max_pending
+        while _restore:
+            _restore.pop()()
 
 
 def values(c: Checker, cfg, p: int) -> None:
@@ -320,6 +363,104 @@ def counting_routed() -> Iterator[None]:
         agree.first_error = first_error
 
 
+# ---------------------------------------------------------------------------------------
+# Coverage: the lines of trainer/ that run only on CUDA, and which of them the table ran
+
+# A branch taken on CUDA only: its test asks for a CUDA tensor or device, or NCCL
+CUDA_TEST = re.compile(
+    r'is_cuda|_is_cuda\(|type == "cuda"|cuda\.is_initialized\(\)|cuda\.is_available\(\)|== "nccl"'
+)
+NO_CUDA = "not torch.cuda.is_available()"  # the refusal of nccl where CUDA is absent
+NOT_CUDA_TEST = re.compile(r'not _is_cuda\(|type != "cuda"|not torch\.cuda\.is_initialized\(\)')
+# Functions that only CUDA calls (file, name)
+CUDA_FUNCTIONS = {
+    ("comm/collectives.py", "_wait_cuda"),
+    ("comm/collectives.py", "_comm_stream"),
+    ("comm/collectives.py", "_timing_event"),
+    ("comm/collectives.py", "_add_timing"),
+    ("comm/collectives.py", "union_s"),
+    ("comm/collectives.py", "_finish_on_comm_stream"),
+    ("observe/memory.py", "CudaStepPeak"),
+}
+# Why the rehearsal does not reach a CUDA-only line: (file, first line of its branch)
+NOT_REACHED = {
+    "run/dist.py": "NCCL's own set-up (init_process_group, set_device): the rehearsal "
+    "stands a Python process group in for it; scripts/gpu_check.sh runs it",
+    "run/profiling.py": "torch.profiler's CUDA activity: kernels only a GPU runs",
+    "checkpoint/rng.py": "",
+}
+
+
+def cuda_only_lines() -> dict[str, set[int]]:
+    """file (under trainer/) -> its lines that run on CUDA only."""
+    out: dict[str, set[int]] = {}
+    for path in sorted((ROOT / "trainer").rglob("*.py")):
+        rel = str(path.relative_to(ROOT / "trainer"))
+        if rel.startswith("rehearse/"):
+            continue
+        text = path.read_text()
+        tree = ast.parse(text)
+        lines: set[int] = set()
+
+        def span(nodes) -> set[int]:
+            return {n for node in nodes for n in range(node.lineno, node.end_lineno + 1)}
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and (rel, node.name) in CUDA_FUNCTIONS:
+                lines |= span(node.body)
+            if isinstance(node, ast.ClassDef) and (rel, node.name) in CUDA_FUNCTIONS:
+                # its methods' bodies: the def lines ran when the module was imported
+                defs = [f for f in node.body if isinstance(f, ast.FunctionDef)]
+                lines |= span([stmt for f in defs for stmt in f.body])
+            for field_name in ("body", "orelse", "finalbody"):
+                block = getattr(node, field_name, None)
+                if not isinstance(block, list):
+                    continue
+                for i, stmt in enumerate(block):
+                    if not isinstance(stmt, ast.If):
+                        continue
+                    test = ast.get_source_segment(text, stmt.test) or ""
+                    if NOT_CUDA_TEST.search(test):
+                        # `if not cuda: ...; return` - what follows runs on CUDA only
+                        if stmt.body and isinstance(stmt.body[-1], (ast.Return, ast.Raise)):
+                            lines |= span(block[i + 1 :])
+                        lines |= span(stmt.orelse)
+                    elif CUDA_TEST.search(test) and NO_CUDA not in test:
+                        lines |= span(stmt.body)
+        if lines:
+            out[rel] = lines
+    return out
+
+
+def coverage_table(cov) -> tuple[int, int, list[str]]:
+    """(CUDA-only statements, of them run, one line per file)."""
+    total = run = 0
+    rows = []
+    for rel, lines in cuda_only_lines().items():
+        _, statements, _, missing, _ = cov.analysis2(str(ROOT / "trainer" / rel))
+        mine = sorted(lines & set(statements))
+        if not mine:
+            continue
+        missed = [n for n in mine if n in set(missing)]
+        total, run = total + len(mine), run + len(mine) - len(missed)
+        rows.append(
+            f"trainer/{rel}: {len(mine) - len(missed)} of {len(mine)}"
+            + (f" (not run: lines {_ranges(missed)})" if missed else "")
+        )
+    return total, run, rows
+
+
+def _ranges(ns: list[int]) -> str:
+    out, start = [], None
+    for i, n in enumerate(ns):
+        if start is None:
+            start = n
+        if i + 1 == len(ns) or ns[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-k", default="", help="only the combinations whose name contains this")
@@ -332,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     chosen = [c for c in combos() if args.k in c.name]
+    cov = None
+    if args.coverage:
+        import coverage
+
+        cov = coverage.Coverage(data_file=None, include=[str(ROOT / "trainer" / "*")])
+        cov.start()
     failed = 0
     t0 = time.perf_counter()
     for i, combo in enumerate(chosen):
@@ -353,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{combo.name}: FAILED ({problems[0]})", flush=True)
         else:
             print(f"{combo.name}: ok ({seen}, {time.perf_counter() - t:.1f} s)", flush=True)
+    if cov is not None:
+        cov.stop()
+        total, run, rows = coverage_table(cov)
+        print("\n".join(rows))
+        share = 100 * run / max(total, 1)
+        print(f"CUDA-only lines of trainer/ run: {run} of {total} ({share:.0f}%)")
     print(
         f"gpu_rehearsal: {'PASS' if not failed else 'FAIL'} ({len(chosen) - failed} of "
         f"{len(chosen)} combinations, {time.perf_counter() - t0:.0f} s)"

@@ -391,9 +391,11 @@ class Checker:
 
 
 def _zero(t: torch.Tensor) -> Any:
+    """A made-up value where no `Checker.values` entry says better: 1 (a count, a sum of
+    losses: a log line divides by such), False for a flag."""
     if t.dtype == torch.bool:
         return False
-    return 0 if not t.is_floating_point() else 0.0
+    return 1 if not t.is_floating_point() else 1.0
 
 
 _checker: Checker | None = None
@@ -729,7 +731,7 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
     patches.set(torch.cuda, "get_rng_state", lambda device=None: cuda_rng)
     patches.set(torch.cuda, "set_rng_state", lambda state, device=None: None)
     patches.set(torch.cuda, "manual_seed", lambda seed: None)
-    patches.set(torch.cuda, "default_generators", (torch.Generator(),))
+    patches.set(torch.cuda, "default_generators", tuple(torch.Generator() for _ in range(8)))
 
     # host.py: the reads meant to be, counted as before, answered with made-up values
     item, tolist = host.item, host.tolist
