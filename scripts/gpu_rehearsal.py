@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -46,6 +47,7 @@ from trainer.comm import collectives, groups  # noqa: E402
 from trainer.config.checks import engine_options  # noqa: E402
 from trainer.models import builtin  # noqa: E402
 from trainer.models.materialize import SeededInit, empty_weights  # noqa: E402
+from trainer.observe import memory  # noqa: E402
 from trainer.observe.memory import MemoryMonitor  # noqa: E402
 from trainer.observe.metrics import IntervalMetrics, Rank0Writer, peak_flops  # noqa: E402
 from trainer.parallel import build_engine, experts  # noqa: E402
@@ -87,7 +89,7 @@ def combos() -> list[Combo]:
             out.append(Combo(f"{mode} {precision}", (*mode_over, f"precision={precision}")))
         out.append(  # the loss scaler on the device, clipping, accumulation
             Combo(
-                f"{mode} fp16, clipping, accumulation",
+                f"{mode} fp16 (reduced in fp16), clipping, accumulation",
                 (
                     *mode_over,
                     "precision=fp16",
@@ -223,8 +225,10 @@ def joined(rank: int, p: int, cfg) -> tdist.DistEnv:
         torch.backends.cudnn.allow_tf32 = tf32
         for k, v in saved_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    # "cuda" from now on means this rank's GPU, as after torch.cuda.set_device
+    # "cuda" from now on means this rank's GPU, as after torch.cuda.set_device (the fake
+    # mode's cache of op results keys "cuda" without its index: emptied)
     torch.cuda.current_device = lambda: current[0]
+    FakeTensorMode.cache_clear()
     _restore.append(lambda: setattr(torch.cuda, "current_device", saved_current))
     return env
 
@@ -270,7 +274,9 @@ def rehearse(combo: Combo, p: int, rank: int, tmp: Path) -> str:
         with fake_world(rank, p) as world, fake_cuda() as c, counting_routed():
             values(c, cfg, p)
             env = joined(rank, p, cfg)
-            engine = build(cfg, env.device)  # the rank's GPU, as the loop passes it
+            # The rank's GPU, as the loop passes it; MoE rows pass "cuda" (the current
+            # device), as a caller of build_engine may
+            engine = build(cfg, torch.device("cuda") if combo.model == "gpt_moe" else env.device)
             run = make_run(cfg, engine, env, tmp)
             engine.train()
             for step in range(1, combo.steps + 1):
@@ -292,6 +298,7 @@ def rehearse(combo: Combo, p: int, rank: int, tmp: Path) -> str:
                 start = checkpoint.load(path, engine, **run.resumable)
                 with c.step():
                     loop.train_step(run, start + 1)
+            memory.measure(engine)  # the memory figures a run reports
             c.check()
             return f"{c.ops} ops, {len(world.calls)} collectives"
     finally:

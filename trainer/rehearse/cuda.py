@@ -624,9 +624,15 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
 
     def to_meta_too(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # C++ sees every fake tensor on meta, so Tensor.to("meta") would return it as it is
+        # and to("cuda") would copy a tensor that is there already
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None and device.type == "meta" and t.fake_device.type != "meta":
             return torch.ops.aten._to_copy.default(t, dtype=dtype or t.dtype, device=device)
+        if device is not None and device.type == "cuda" and not kwargs.get("copy", False):
+            here = t.fake_device
+            same = here.type == "cuda" and device.index in (None, here.index)
+            if same and (dtype is None or dtype == t.dtype):
+                return t
         return to(t, *args, **kwargs)
 
     patches.set(FakeTensor, "to", to_meta_too)
@@ -772,6 +778,7 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
     patches.set(host, "synchronize", fake_synchronize)
 
     _checker = c
+    FakeTensorMode.cache_clear()  # results cached under another current device
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     mode.allow_meta = True  # meta builds: parameters on meta inside the fake mode
     c.mode = mode
