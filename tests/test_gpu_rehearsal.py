@@ -21,6 +21,7 @@ from trainer.rehearse import Violation  # noqa: E402
 from trainer.run.guard import Guard  # noqa: E402
 
 
+@pytest.mark.slow  # ~1 minute on an idle 2-core machine: the whole table, 27 rows
 def test_every_combination_runs():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_rehearsal.py")],

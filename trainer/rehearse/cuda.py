@@ -43,6 +43,7 @@ import contextlib
 import itertools
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ import torch
 import torch._dynamo  # noqa: F401  (imported before _make_subclass is wrapped: it checks its signature)
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
 )
@@ -471,8 +473,11 @@ class Tracker(TorchDispatchMode):
                 out = func(*args, **kwargs)
         except torch._subclasses.fake_tensor.FakeTensorDeviceMismatchError as e:
             c.fail(f"{name} mixes devices at {where()}: {e}")
-        except DataDependentOutputException:
-            c.fail(f"{name} needs a value of a fake tensor at {where()}")
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            c.fail(
+                f"{name} at {where()} needs a tensor's values (a host read not through "
+                "trainer/observe/host.py, or a shape that depends on values)"
+            )
         if not cuda_args and not any(is_fake_cuda(t) for t in _leaves(out)):
             return out
         s = current_stream()
@@ -783,7 +788,9 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
     mode.allow_meta = True  # meta builds: parameters on meta inside the fake mode
     c.mode = mode
     try:
-        with mode, Tracker(c):
+        with mode, Tracker(c), warnings.catch_warnings():
+            # memory.py keys storages by data_ptr(), which a fake tensor answers with a warning
+            warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
             yield c
     finally:
         _checker = None
