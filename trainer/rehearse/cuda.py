@@ -12,6 +12,14 @@ real engines there, and `fake_cuda()` changes both while it is installed:
     answer from the fake device in Python, which is all trainer code looks at.
   - torch.cuda's streams, events and synchronize need a driver: the stand-ins below
     replace them, in torch.cuda and in collectives.py's `_cuda`.
+What C++ then believes has consequences, each undone here: a tensor C++ makes from a
+fake tensor's options (inside a composite op, or in torch's grouping of tensors by
+device) is on meta, and takes the device of the op's other tensors (`_adopt_meta`, and
+`_find_common_device` ignoring meta beside them: CPU and CUDA still may not mix);
+`Tensor.to` compares C++ devices, so to("meta") and to("cuda") of a tensor already
+there answer from the fake device; `swap_tensors` (materialize.swap_into) refuses the
+weak reference FakeTensorMode keeps to every fake tensor; torch.load and checkpoint
+checksums run on real host tensors, and a fake host tensor's bytes are zeros.
 
 [Note: checking stream order]
 Every stream keeps a vector clock: the number of ops it has run, and for every other
@@ -511,14 +519,6 @@ class Tracker(TorchDispatchMode):
             return t
 
         return pytree.tree_map(fix, (args, kwargs))
-
-
-def _is_meta(device: Any) -> bool:
-    if device is None:
-        return False
-    if isinstance(device, torch.device):
-        return device.type == "meta"
-    return isinstance(device, str) and device.startswith("meta")
 
 
 def _adopt_meta(leaves: list) -> None:
