@@ -12,6 +12,7 @@ from tqdm import tqdm
 from trainer import comm
 from trainer.checkpoint import storage
 from trainer.errors import ConfigError, StorageError
+from trainer.observe import host
 
 
 def agree(fn, *args: Any) -> Any:
@@ -36,7 +37,7 @@ def first_error(error: Any, device: torch.device) -> Any:
     if error is not None:
         failed[comm.rank()] = 1
     comm.all_reduce(failed, tag="checkpoint", account=False).wait()
-    ranks = failed.nonzero().flatten().tolist()
+    ranks = [r for r, f in enumerate(host.tolist(failed, "checkpoint errors")) if f]
     if not ranks:
         return None
     message = [error]
@@ -51,7 +52,7 @@ def all_errors(error: Any, device: torch.device) -> list[tuple[int, Any]]:
     if error is not None:
         failed[comm.rank()] = 1
     comm.all_reduce(failed, tag="checkpoint", account=False).wait()
-    if not failed.any():
+    if not any(host.tolist(failed, "checkpoint errors")):
         return []
     gathered = comm.all_gather_object(error)
     return [(r, e) for r, e in enumerate(gathered) if e is not None]
@@ -69,7 +70,8 @@ def found_by(files: list[str], device: torch.device) -> list[tuple[list[int], li
             counts[i, 0 if seen else 1, comm.rank()] = 1
     comm.all_reduce(counts, tag="checkpoint", account=False).wait()
     return [
-        (c[0].nonzero().flatten().tolist(), c[1].nonzero().flatten().tolist()) for c in counts.cpu()
+        ([r for r, v in enumerate(finds) if v], [r for r, v in enumerate(unsure) if v])
+        for finds, unsure in host.tolist(counts, "checkpoint files found")
     ]
 
 

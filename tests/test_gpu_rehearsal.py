@@ -1,0 +1,104 @@
+"""scripts/gpu_rehearsal.py: every combination of its table runs on fake CUDA tensors, and
+the rehearsal fails on each kind of bug it claims to catch, planted here by monkeypatch
+(trainer/ is not edited): an allocation without device=, a missing wait, a buffer freed
+while its collective is in flight, a new host read in a step (docs/gpu_check.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_cli import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_rehearsal  # noqa: E402
+
+from trainer import comm  # noqa: E402
+from trainer.comm import collectives  # noqa: E402
+from trainer.rehearse import Violation  # noqa: E402
+from trainer.run.guard import Guard  # noqa: E402
+
+
+@pytest.mark.slow  # ~1 minute on an idle 2-core machine: the whole table, 27 rows
+def test_every_combination_runs():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_rehearsal.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in lines if ": ok (" in line]
+    assert len(rows) == len(gpu_rehearsal.combos()), proc.stdout
+    assert lines[-1].startswith("gpu_rehearsal: PASS"), proc.stdout
+    # every world size, seen from its first and its last rank
+    for p, r in gpu_rehearsal.WORLDS:
+        assert any(f"P={p} rank {r}," in line for line in rows), (p, r)
+
+
+def combo(name: str) -> gpu_rehearsal.Combo:
+    return next(c for c in gpu_rehearsal.combos() if c.name == name)
+
+
+def rehearse(name: str, tmp_path, p: int = 4, rank: int = 3) -> str:
+    return gpu_rehearsal.rehearse(combo(name), p, rank, tmp_path)
+
+
+def test_the_unplanted_combinations_pass(tmp_path):
+    # the same calls as the planted cases below, without a plant
+    rehearse("zero bf16", tmp_path)
+    rehearse("ddp fp32", tmp_path, 8, 7)
+
+
+def test_an_allocation_without_device_fails(tmp_path, monkeypatch):
+    def check(self, stop):  # Guard.check with its flags left on the CPU
+        p, r = comm.world_size(), comm.rank()
+        flags = torch.zeros(p + 1)  # the plant: no device=self.device
+        flags[r] = self._first_bad[0]
+        flags[p] = float(stop)
+        comm.all_reduce(flags, tag="check", account=False).wait()
+        return None, False
+
+    monkeypatch.setattr(Guard, "check", check)
+    with pytest.raises(Violation, match=r"mixes devices|CUDA tensors only"):
+        rehearse("ddp fp32", tmp_path)
+
+
+def test_a_missing_wait_fails(tmp_path, monkeypatch):
+    # The compute stream goes on without waiting for the collective's end event
+    monkeypatch.setattr(collectives.Handle, "_wait_cuda", lambda self: None)
+    with pytest.raises(Violation, match=r"before the compute stream waited") as e:
+        rehearse("ddp fp32", tmp_path)
+    assert "all_reduce" in str(e.value) and "trainer/" in str(e.value)
+
+
+def test_a_buffer_freed_in_flight_fails(tmp_path, monkeypatch):
+    reduce_scatter = comm.reduce_scatter
+
+    def freeing(output, input, **kwargs):  # the send buffer freed right after the launch
+        handle = reduce_scatter(output, input, **kwargs)
+        collectives.free_storage(input)
+        return handle
+
+    monkeypatch.setattr(comm, "reduce_scatter", freeing)
+    with pytest.raises(Violation, match=r"freed before the compute stream waited") as e:
+        rehearse("zero bf16", tmp_path)
+    assert "reduce_scatter" in str(e.value)
+
+
+def test_a_new_host_read_in_a_step_fails(tmp_path, monkeypatch):
+    note = Guard.note
+
+    def reading(self, loss, step):  # a value read on the host, not through host.py
+        note(self, loss, step)
+        if float(loss) > 1e9:
+            raise RuntimeError("loss too large")
+
+    monkeypatch.setattr(Guard, "note", reading)
+    with pytest.raises(Violation, match=r"host read of a CUDA value .* in a step") as e:
+        rehearse("ddp fp32", tmp_path)
+    assert "guard" in str(e.value) or "loop.py" in str(e.value)
