@@ -190,7 +190,8 @@ def _agree_and_commit(
     marker: dict[str, Any],
 ) -> None:
     """Every rank's files are written (or the first failure is raised on every rank); rank 0
-    then marks, renames and prunes. Main thread only: collectives."""
+    then marks, renames and prunes, and every rank raises its error if that failed ([Note: a
+    failed commit]). Main thread only: collectives."""
     error = agree.first_error(error, device)
     if error is not None:
         if comm.rank() == 0:
@@ -204,7 +205,7 @@ def _agree_and_commit(
             failure = StorageError(f"rank 0 could not commit checkpoint {final}: {e}")
         except Exception as e:  # not the storage's: still every rank's, or they would wait
             failure = TrainingError(f"rank 0 could not commit checkpoint {final}: {agree.line(e)}")
-    # [Note: a failed commit]: where a barrier stood, the same one small AllReduce
+    # [Note: a failed commit]: one small AllReduce; rank 0's line follows only on a failure
     failure = agree.first_error(failure, device)
     if failure is not None:
         raise type(failure)(str(failure))
@@ -215,8 +216,8 @@ def _agree_and_commit(
 # rename, an fsync, the marker's write: EIO on a network filesystem) used to end rank 0 alone,
 # and the others waited dist.timeout_s to report a peer that stopped answering. They now wait
 # in `agree.first_error`, which is one small AllReduce, as the barrier it replaces was: rank 0
-# enters it with None or its one line (naming the file and the errno), and on a failure that
-# line is broadcast, so every rank raises the same StorageError at once. Before rank 0 says
+# enters it with None or its error (one line naming the file and the errno), and on a failure
+# that is broadcast, so every rank raises the same StorageError at once. Before rank 0 says
 # so, it undoes what the commit did, as far as the storage lets it: the renames are put back
 # (a checkpoint of the same step that was there goes back to its name) and the new save's
 # directory goes, marker first. What was complete before the save is as it was, and
