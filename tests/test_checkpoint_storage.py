@@ -5,8 +5,10 @@ trainer/checkpoint/storage.py), and no crash in a save or a prune loses a step
 In this process: the reader against injected OSErrors (retried, bounded, one line) and
 against wrong bytes (damage, at once). In one group of 2 ranks (shared by every case
 below it): EIO, ESTALE, EACCES and a file missing on one rank's reads during resume=auto,
-a newer checkpoint skipped by resume and then saved again, and a crash injected before
-each rename and delete of a save and its prune, each followed by resume=auto."""
+a newer checkpoint skipped by resume and then saved again, a crash injected before
+each rename and delete of a save and its prune, each followed by resume=auto, and an EIO
+in rank 0's commit of a save (its marker, fsyncs and renames, sync and async) and in its
+prune ([Note: a failed commit])."""
 
 from __future__ import annotations
 
@@ -249,7 +251,8 @@ def test_an_interrupted_save_older_than_the_checkpoint_of_its_step_is_kept_aside
 
 # ---------------------------------------------------------------------------------------
 # In one group of 2 ranks: resume=auto against storage errors of one rank, a skipped
-# checkpoint saved again, and a crash at each rename and delete of a save and its prune
+# checkpoint saved again, a crash at each rename and delete of a save and its prune, and
+# a storage error in rank 0's commit
 
 WIDE = 8
 
@@ -439,7 +442,84 @@ def _storage_cases(env, root: Path):
             crashes[name] = (ops, names, step, kind_, message, which, after)
             comm.barrier().wait()
     out["crashes"] = crashes
+
+    # Rank 0's commit of a save of step 6 into steps 2 and 4 fails (EIO) at each operation.
+    for case, fails in COMMIT_FAILURES.items():
+        directory = fresh(f"commit_{case}")
+        if case == "rename_again":  # step 6 saved before, with step 4's values
+            if rank == 0:
+                shutil.copytree(root / "old" / "step_000006", directory / "step_000006")
+            comm.barrier().wait()
+        out[f"commit_{case}"] = _failed_commit(directory, engine, fails, case.startswith("async"))
+        comm.barrier().wait()
     return out
+
+
+def _eio(path) -> OSError:
+    return OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+
+def _failing(obj, name: str, when):
+    """Set `obj.name` (on rank 0, through `_Undo`) to one that raises EIO where `when` holds
+    for its first argument (the file, or a rename's source)."""
+    real = getattr(obj, name)
+
+    def fail(*args, **kwargs):
+        if when(Path(args[0])):
+            raise _eio(args[0])
+        return real(*args, **kwargs)
+
+    return lambda undo: undo.setattr(obj, name, fail)
+
+
+def _tmp(path: Path) -> bool:
+    return ".tmp-" in path.name
+
+
+# What fails on rank 0 during a save's commit (and its prune, last: a warning)
+COMMIT_FAILURES = {
+    "marker": lambda d: _failing(_files(), "write_text", lambda p: p.name == "COMPLETE"),
+    "fsync": lambda d: _failing(_files(), "fsync_dir", _tmp),
+    "fsync_after_rename": lambda d: _failing(_files(), "fsync_dir", lambda p: p == d),
+    "rename": lambda d: _failing(os, "rename", _tmp),
+    "rename_again": lambda d: _failing(os, "rename", _tmp),
+    "async_rename": lambda d: _failing(os, "rename", _tmp),
+    "prune": lambda d: _failing(os, "rename", lambda p: p.name == "step_000002"),
+}
+
+
+def _files():
+    from trainer.checkpoint import files
+
+    return files
+
+
+def _failed_commit(directory: Path, engine, fails, in_background: bool):
+    """Save step 6 into `directory` (keep=2) with `fails` on rank 0: the save's error (kind,
+    message), what rank 0 said, whether the files are as before, and the resume after it."""
+    from trainer import checkpoint, comm
+    from trainer.checkpoint import agree, background
+
+    before = _listing(directory)
+    said: list[str] = []
+    undo = _Undo()
+    if comm.rank() == 0:
+        fails(directory)(undo)
+        undo.setattr(agree, "say", said.append)
+    try:
+        checkpoint.save(directory, 6, engine, keep=2, in_background=in_background)
+        while background._pending is not None:  # the check steps of the loop
+            background.check(torch.device("cpu"))
+        error = (None, None)
+    except Exception as e:
+        error = (type(e).__name__, str(e))
+        background.drop()
+    finally:
+        undo.undo()
+    unchanged = _listing(directory) == before
+    names = sorted(os.listdir(directory))
+    step, kind, message, resumed = _resume(directory)
+    return error, said, unchanged, names, (step, kind, message), resumed.full_state_dict()
 
 
 class _Crash(Exception):
@@ -583,3 +663,45 @@ def test_no_crash_in_a_save_or_a_prune_loses_a_step(runs):
             assert step == (6 if marked else 4), (name, ops, names, step)
             assert which == [step], (name, ops, which)
         assert rank1["crashes"][name][2] == step
+
+
+@pytest.mark.parametrize("case", [c for c in COMMIT_FAILURES if c != "prune"])
+def test_a_failed_commit_on_rank_0_fails_the_save_on_every_rank_in_one_line(runs, case):
+    """An EIO in rank 0's commit (the marker, an fsync, a rename; with ckpt.async too): every
+    rank raises the same line at once, where rank 1 used to wait dist.timeout_s for rank 0
+    and report a peer that stopped answering. Nothing saved before is changed, and
+    resume=auto takes the newest of it."""
+    root, rank0, rank1 = runs
+    directory = root / f"commit_{case}"
+    final = re.escape(str(directory / "step_000006"))
+    tmp = final + r"\.tmp-[0-9a-f]{8}"
+    what = {
+        "marker": f"cannot write {tmp}/COMPLETE",
+        "fsync": f"cannot fsync {tmp}",
+        "fsync_after_rename": f"cannot fsync {re.escape(str(directory))}",
+    }.get(case, f"cannot rename {tmp} to {final}")
+    want = rf"rank 0 could not commit checkpoint {final}: {what}: EIO \(Input/output error\)"
+    error, said, unchanged, names, resumed, state = rank0[f"commit_{case}"]
+    assert error[0] == "StorageError" and re.fullmatch(want, error[1]), error
+    assert rank1[f"commit_{case}"][0] == error  # the same line on every rank
+    assert said == [], said
+    assert unchanged, f"the failed save left {names}"
+    again = case == "rename_again"  # step 6 was there before, with step 4's values
+    assert resumed == (6 if again else 4, None, None)
+    want_state = rank0["states"][4]
+    assert all(torch.equal(v, want_state[k]) for k, v in state.items())
+
+
+def test_a_failed_prune_warns_and_keeps_the_new_checkpoint(runs):
+    root, rank0, rank1 = runs
+    directory = root / "commit_prune"
+    error, said, _, names, resumed, state = rank0["commit_prune"]
+    assert error == (None, None) and rank1["commit_prune"][0] == (None, None)
+    old = re.escape(str(directory / "step_000002"))
+    want = (
+        rf"warning: not pruning under {re.escape(str(directory))} this time: cannot rename "
+        rf"{old} to {old}\.old-[0-9a-f]{{8}}: EIO \(Input/output error\)"
+    )
+    assert len(said) == 1 and re.fullmatch(want, said[0]), said
+    assert names == ["step_000002", "step_000004", "step_000006"]
+    assert resumed == (6, None, None) and rank1["commit_prune"][4] == (6, None, None)

@@ -34,7 +34,8 @@ Commit = Callable[[str | None], None]
 # on the main thread, at one of these points, which every rank reaches alike:
 # - a check step (loop.py's `Every.check`): one small AllReduce counts the ranks still
 #   writing and those whose write failed; when all are done the save is committed, when one
-#   failed every rank ends the run with that rank's one line; else training goes on;
+#   failed every rank ends the run with that rank's one line (as every rank does when rank
+#   0's commit fails: [Note: a failed commit] in saving.py); else training goes on;
 # - the next save, which first waits for this one's write and commits it (a second save waits
 #   for the first: one host copy, one writer);
 # - the last step and a stop on SIGTERM, which wait for their own save's write and commit it

@@ -21,6 +21,8 @@ resume=auto finds (tests/test_checkpoint_storage.py crashes a save and a prune a
   one marked under its temporary name: as above;
 - in a prune: the new checkpoint is in place and fsynced before anything is pruned, and
   what a prune removes goes out of the checkpoint names before it is deleted.
+A storage error in rank 0's commit (not a crash) fails the save on every rank alike, the
+commit undone; in its prune, a warning ([Note: a failed commit]).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -44,6 +47,8 @@ from trainer.parallel import state as engine_state
 
 DEFAULT_BUFFER_MB = 64  # ckpt.buffer_mb: the staging buffer of a save
 REPLICATED = "replicated/"  # data entries of buffers and frozen parameters (rank 0)
+
+T = TypeVar("T")
 
 
 def maybe_save(
@@ -185,41 +190,117 @@ def _agree_and_commit(
     marker: dict[str, Any],
 ) -> None:
     """Every rank's files are written (or the first failure is raised on every rank); rank 0
-    then marks, renames and prunes. Main thread only: collectives."""
+    then marks, renames and prunes, and every rank raises its error if that failed ([Note: a
+    failed commit]). Main thread only: collectives."""
     error = agree.first_error(error, device)
     if error is not None:
         if comm.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise TrainingError(error)
+    failure: TrainingError | None = None
     if comm.rank() == 0:
-        _mark_and_commit(tmp, final, marker, directory, keep, step)
-    comm.barrier(tag="checkpoint").wait()
+        try:
+            _mark_and_commit(tmp, final, marker, directory, keep, step)
+        except StorageError as e:
+            failure = StorageError(f"rank 0 could not commit checkpoint {final}: {e}")
+        except Exception as e:  # not the storage's: still every rank's, or they would wait
+            failure = TrainingError(f"rank 0 could not commit checkpoint {final}: {agree.line(e)}")
+    # [Note: a failed commit]: one small AllReduce; rank 0's line follows only on a failure
+    failure = agree.first_error(failure, device)
+    if failure is not None:
+        raise type(failure)(str(failure))
+
+
+# [Note: a failed commit]
+# Rank 0 alone marks, renames and prunes; the other ranks wait for it. An OSError there (a
+# rename, an fsync, the marker's write: EIO on a network filesystem) used to end rank 0 alone,
+# and the others waited dist.timeout_s to report a peer that stopped answering. They now wait
+# in `agree.first_error`, which is one small AllReduce, as the barrier it replaces was: rank 0
+# enters it with None or its error (one line naming the file and the errno), and on a failure
+# that is broadcast, so every rank raises the same StorageError at once. Before rank 0 says
+# so, it undoes what the commit did, as far as the storage lets it: the renames are put back
+# (a checkpoint of the same step that was there goes back to its name) and the new save's
+# directory goes, marker first. What was complete before the save is as it was, and
+# resume=auto takes the newest of it: a save whose commit failed was not saved (an fsync that
+# failed says nothing about what the disk holds). A prune that fails is not the save's
+# failure: the new checkpoint is in place and fsynced by then, so the prune warns in one line
+# and leaves the rest to the next save's prune.
 
 
 def _mark_and_commit(
     tmp: Path, final: Path, marker: dict[str, Any], directory: Path, keep: int, step: int
 ) -> None:
     """Rank 0's part, once every rank's files are written and fsynced: the marker, the
-    rename, the prune ([Note: atomic checkpoints])."""
-    files.write_text(tmp / files.MARKER, json.dumps(marker))
-    _commit(tmp, final)
+    rename, the prune ([Note: atomic checkpoints]). A StorageError naming the operation and
+    its errno when the storage fails the commit; `tmp` is removed then, and the names are
+    as before ([Note: a failed commit])."""
+    try:
+        marker_file = tmp / files.MARKER
+        _io(f"cannot write {marker_file}", files.write_text, marker_file, json.dumps(marker))
+        _commit(tmp, final)
+    except StorageError:
+        _discard(tmp)
+        raise
     _prune(directory, keep, step)
 
 
 def _commit(tmp: Path, final: Path) -> None:
     """Marked `tmp` becomes checkpoint `final`; one already there is kept beside it as
-    `step_N.replaced-<id>` ([Note: atomic checkpoints]). Rank 0 alone."""
-    files.fsync_dir(tmp)
-    if final.exists():  # this step written again, by a run resumed from an older one
-        aside = _keep_aside(final, final)
+    `step_N.replaced-<id>` ([Note: atomic checkpoints]). Rank 0 alone. A StorageError when
+    the storage fails it, the renames made put back first ([Note: a failed commit])."""
+    _io(f"cannot fsync {tmp}", files.fsync_dir, tmp)
+    renamed: list[tuple[Path, Path]] = []  # (from, to), to put back if a later one fails
+    aside = None
+    try:
+        # this step written again, by a run resumed from an older one
+        if _io(f"cannot stat {final}", final.exists):
+            aside = final.with_name(f"{final.name}.replaced-{uuid.uuid4().hex[:8]}")
+            _rename(final, aside)
+            renamed.append((final, aside))
+        _rename(tmp, final)
+        renamed.append((tmp, final))
+        _io(f"cannot fsync {final.parent}", files.fsync_dir, final.parent)
+    except StorageError as e:
+        raise StorageError(f"{e}{_put_back(renamed)}") from None
+    if aside is not None:
         agree.say(f"note: {final} was there already; kept as {aside}, beside the new one")
-    os.rename(tmp, final)
-    files.fsync_dir(final.parent)
+
+
+def _put_back(renamed: list[tuple[Path, Path]]) -> str:
+    """Undo `renamed`, newest first; '' when all went back, else what was left where."""
+    for source, target in reversed(renamed):
+        try:
+            os.rename(target, source)
+        except OSError as e:
+            return f"; {source} is left as {target} (renaming it back: {storage.describe(e)})"
+    return ""
+
+
+def _discard(tmp: Path) -> None:
+    # The marker first: should the storage let no more go, what stays is unmarked, which
+    # no resume takes and the next save removes.
+    try:
+        os.unlink(tmp / files.MARKER)
+    except OSError:
+        pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rename(source: Path, target: Path) -> None:
+    _io(f"cannot rename {source} to {target}", os.rename, source, target)
+
+
+def _io(what: str, op: Callable[..., T], *args: Any) -> T:
+    """`op(*args)`; an OSError raises StorageError: `what`, then its errno."""
+    try:
+        return op(*args)
+    except OSError as e:
+        raise StorageError(f"{what}: {storage.describe(e)}") from None
 
 
 def _keep_aside(path: Path, final: Path) -> Path:
     aside = final.with_name(f"{final.name}.replaced-{uuid.uuid4().hex[:8]}")
-    os.rename(path, aside)
+    _rename(path, aside)
     return aside
 
 
@@ -236,7 +317,8 @@ def finish_commits(directory: Path) -> None:
             continue  # unfinished: not a checkpoint (the next save removes it)
         final = files.step_dir(directory, int(step))
         try:
-            if final.exists() and _marked_at(final) > _marked_at(tmp):
+            there = _io(f"cannot stat {final}", final.exists)
+            if there and _marked_at(final) > _marked_at(tmp):
                 aside = _keep_aside(tmp, final)
                 agree.say(
                     f"note: {tmp}, a save of step {step} interrupted before its rename, is "
@@ -244,10 +326,9 @@ def finish_commits(directory: Path) -> None:
                 )
                 continue
             _commit(tmp, final)
-        except OSError as e:  # raised alike on every rank (through agree): never lost
+        except StorageError as e:  # raised alike on every rank (through agree): never lost
             raise StorageError(
-                f"cannot finish the commit of {tmp}, a complete save that a crash "
-                f"interrupted: {storage.describe(e)}"
+                f"cannot finish the commit of {tmp}, a complete save that a crash interrupted: {e}"
             ) from None
         agree.say(f"note: {final}: finished its commit, which a crash interrupted")
 
@@ -264,15 +345,16 @@ def _prune(directory: Path, keep: int, step: int) -> None:
     checkpoints up to `step` (newer ones belong to a run this one resumed before). Each
     goes by an atomic rename out of the final names first ([Note: atomic checkpoints]).
     A marked temporary directory is complete and stays (resume=auto finishes it); what
-    the storage does not let us read stays too, with a warning."""
+    the storage does not let us read or rename stays too, with a warning ([Note: a failed
+    commit])."""
     try:
         if keep:
             done = [p for p in files.find_checkpoints(directory) if files.step_of(p) <= step]
             for p in done[keep:]:
                 old = p.with_name(f"{p.name}.old-{uuid.uuid4().hex[:8]}")
-                os.rename(p, old)
+                _rename(p, old)
                 faults.fault("prune", step, old)
-            files.fsync_dir(directory)
+            _io(f"cannot fsync {directory}", files.fsync_dir, directory)
         for leftover in [*directory.glob("step_*.tmp-*"), *directory.glob("step_*.old-*")]:
             if ".tmp-" in leftover.name and files.marker(leftover) is not None:
                 continue
