@@ -135,6 +135,9 @@ def _account(env, modes: list[str]):
         _, monitor = _one_step(env, mode, TINY, OPTIONS[mode], precision="bf16")
         bf16 = monitor.gather()
         out[mode] = {"tiny": tiny, "gathers": gathers, "medium": medium, "bf16": bf16}
+        if mode == "ddp":  # int8 AllReduce with error feedback on both of its roundings
+            int8 = {"reduce_dtype": "int8", "error_feedback": True}
+            out[mode]["feedback"] = _one_step(env, mode, TINY, int8)[1].gather()
         if mode == "fsdp":  # MEDIUM looped: both hidden units called again after the other
             for name, sizes in (("plain", MEDIUM), ("looped", {**MEDIUM, "loops": 2})):
                 comm.stats.reset()
@@ -189,6 +192,20 @@ def test_accounting_equals_hand_computed_bytes(accounted, mode):
         state = sum(_on(HAND[mode, world][k], r) for k in ("params", "grads", "optimizer"))
         assert figures[f"per_rank/model_state_MiB/rank{r}"] * MiB == state
     assert "memory/master_MiB/max" not in figures  # fp32: no masters, no tag
+
+
+def test_ddp_error_feedback_buffers_are_counted_among_the_gradients(accounted):
+    """ddp, int8 AllReduce with error feedback ([Note: error feedback on both roundings]
+    in comm/quantized.py): besides the bucket and its flags, every rank holds its send's
+    errors, (P, chunk) fp32 with chunk = ceil(68 / P), and the owner's of the chunk it
+    AllGathers, (chunk,) fp32; the rest as in fp32."""
+    world, results = accounted
+    chunk = -(-68 // world)
+    want = {**HAND["ddp", world], "grads": 272 + 24 + world * chunk * 4 + chunk * 4}
+    figures = results[0]["ddp"]["feedback"]
+    for kind in ("params", "grads", "optimizer"):
+        for r in range(world):
+            assert figures[f"per_rank/{kind}_MiB/rank{r}"] * MiB == _on(want[kind], r), (kind, r)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])

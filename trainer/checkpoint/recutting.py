@@ -155,8 +155,10 @@ def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
             ckpt.replicated(k, None)
         feedback, restart = _feedback_plan(ckpt, rank, engine)
         for i, b in enumerate(feedback["buffers"] if feedback else []):
-            if b["shape"] is not None:
-                ckpt.read(rank, f"feedback/{i}", 0, None, math.prod(b["shape"]))
+            for attr, key in (("error", "shape"), ("owner_error", "owner_shape")):
+                if b.get(key) is not None:
+                    name = engine_state.feedback_entry(i, attr)
+                    ckpt.read(rank, name, 0, None, math.prod(b[key]))
     finally:
         ckpt.close()  # reopened by `load`, if it comes to that
 
@@ -167,7 +169,7 @@ def prepare(path: Path, engine) -> tuple[dict, Any, dict | None]:
             )
             if feedback is not None:  # [Note: error feedback in a checkpoint]
                 engine_state.load_feedback(
-                    engine, feedback, lambda i, out: ckpt.read(rank, f"feedback/{i}", 0, out, 0)
+                    engine, feedback, lambda name, out: ckpt.read(rank, name, 0, out, 0)
                 )
             elif restart is not None:
                 agree.say(restart)

@@ -297,6 +297,22 @@ def prepare_all_reduce_int8(group=None) -> None:
 # a copy, padded whole, would give: each chunk is quantized alone either way.
 
 
+# [Note: error feedback on both roundings]
+# all_reduce_int8 rounds each value twice: every rank its chunks for the all-to-all, and
+# each chunk's owner the sum (or mean) it AllGathers. Error feedback corrects both. `error`
+# (P, chunk), one row per destination, holds what this rank's last send rounded away;
+# `owner_error` (chunk,) what its last AllGather rounded away of the chunk it owns, added
+# to its next sum before it is quantized. Over K reductions of a bucket the sum of what
+# every rank received is then the sum of the true sums (or means), less what the last
+# round left in both buffers: -(sum, or mean, over ranks of `error`'s rows for that
+# chunk) - `owner_error`; it no longer grows with K. The owner's buffer is in the units
+# of what it quantizes, the sum or mean of the ranks' (loss-scaled) gradients, which
+# are those of `error`: a new loss scale rescales both alike. It is 1/P of the tensor:
+# each rank rounds only the chunk it owns. On CPU it is read and written by the
+# continuation thread that launches the AllGather, so nothing else may touch it until
+# the Handle is waited for (nothing does: it is rescaled and saved after the step).
+
+
 def all_reduce_int8(
     tensor: torch.Tensor,
     *,
@@ -304,6 +320,7 @@ def all_reduce_int8(
     block: int = 256,
     exact_tail: int = 0,
     error: torch.Tensor | None = None,
+    owner_error: torch.Tensor | None = None,
     tag: str = "",
     group=None,
 ) -> Handle:
@@ -314,13 +331,18 @@ def all_reduce_int8(
     The last `exact_tail` values go exactly to every rank in the same all-to-all and are
     summed there. The AllGather is launched as soon as the all-to-all has arrived, not at
     wait() ([Note: int8 AllReduce in two chained phases]); `tensor` is read at launch and
-    written at wait(). `error` (P, chunk) fp32: error feedback on the first quantization,
-    see `pack`."""
+    written at wait(). Error feedback ([Note: error feedback on both roundings]): `error`
+    (P, chunk) fp32 on the first quantization, `owner_error` (chunk,) fp32 on the second,
+    that of this rank's own chunk's sum (or mean); see `pack`."""
     p = world_size(group)
     if p == 1:  # the sum (and mean) over one rank is the tensor itself
         return all_reduce(tensor, tag=tag, group=group)
     n = tensor.numel() - exact_tail
     chunk = chunk_of(n, p)
+    if owner_error is not None and owner_error.numel() != chunk:
+        raise ValueError(
+            f"all_reduce_int8: owner_error has {owner_error.numel()} elements, not {chunk}"
+        )
     flat = tensor.detach().view(-1)
     tail = flat[n:].float().view(1, exact_tail) if exact_tail else None
     send = flat.new_empty((p, row_bytes(chunk, block, exact_tail)), dtype=torch.uint8)
@@ -345,7 +367,8 @@ def all_reduce_int8(
             free_storage(send)
         if average and p > 1:
             mine.div_(p)
-        packed = pack(mine[:chunk].view(1, chunk), block).view(-1)  # (row_bytes,)
+        kept = None if owner_error is None else owner_error.view(1, chunk)
+        packed = pack(mine[:chunk].view(1, chunk), block, error=kept).view(-1)  # (row_bytes,)
         return all_gather(rows.view(-1), packed, tag=tag, group=twin)
 
     handle = chain(exchanged, summed_and_gathered, group)

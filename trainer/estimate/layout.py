@@ -256,10 +256,11 @@ def model_state(
 
 
 def _feedback_bytes(p: Plan, f: Flat, world: int) -> int:
-    """Error feedback's fp32 errors of one buffer: this rank's whole gradient input."""
-    if p.mode == "ddp":  # (P, chunk): `all_reduce_int8`'s chunks over the bucket's ranks
+    """Error feedback's fp32 errors of one buffer: this rank's whole gradient input, and
+    in ddp the chunk of the mean it owns ([Note: error feedback on both roundings])."""
+    if p.mode == "ddp":  # (P, chunk) and (chunk,): `all_reduce_int8` over the bucket's ranks
         g = world // p.expert_parallel if f.expert else world
-        return g * quantized.chunk_of(f.layout.numel, g) * 4
+        return (g + 1) * quantized.chunk_of(f.layout.numel, g) * 4
     s = p.shard_of(f)  # (S, shard): the ReduceScatter's input
     return s * f.layout.shard_size(s) * 4
 

@@ -17,7 +17,9 @@ cast from them. With `reduce_dtype=int8` the fp32 buckets are AllReduced as int8
 both ways (comm/quantized.py `all_reduce_int8`: quantized, all-to-all, summed in fp32 by
 each chunk's owner, quantized once more and AllGathered), every rank keeping the same
 dequantized mean; both phases are launched while backward runs, the AllGather as soon as
-the all-to-all has arrived ([Note: int8 AllReduce in two chained phases]).
+the all-to-all has arrived ([Note: int8 AllReduce in two chained phases]). With
+`mode.error_feedback` both roundings are fed back: each rank keeps its send's errors and
+those of the chunk's mean it owns ([Note: error feedback on both roundings]).
 
 Parameters no rank used get no gradient, as in torch DDP: the last bucket carries one
 used-flag per parameter ([Note: used flags] in used.py). The end of backward (waiting for
@@ -65,7 +67,11 @@ class _Bucket:
         self.views = self.layout.views(self.grad)
         self.handle: comm.Handle | None = None
         self.masters: list[nn.Parameter] = list(self.params)  # fp32 copies when mixed
-        self.error: torch.Tensor | None = None  # error feedback's last error (reduce int8)
+        # error feedback's last errors (reduce int8, [Note: error feedback on both
+        # roundings] in comm/quantized.py): (P, chunk) of this rank's send, (chunk,) of
+        # the mean it owns and AllGathers
+        self.error: torch.Tensor | None = None
+        self.owner_error: torch.Tensor | None = None
 
 
 class DDPEngine(Engine):
@@ -159,9 +165,11 @@ class DDPEngine(Engine):
             if mp.error_feedback and b.error is None:
                 p = comm.world_size(b.group)
                 b.error = torch.zeros(p, chunk_of(b.layout.numel, p), device=b.buffer.device)
+            if mp.error_feedback and b.owner_error is None:
+                b.owner_error = torch.zeros(b.error.shape[1], device=b.buffer.device)
             b.handle = comm.all_reduce_int8(
                 b.buffer, average=True, block=mp.quant_block, exact_tail=flags, error=b.error,
-                tag=tag, group=b.group,
+                owner_error=b.owner_error, tag=tag, group=b.group,
             )  # fmt: skip
         else:
             b.handle = comm.all_reduce(b.buffer, average=True, tag=tag, group=b.group)
@@ -244,7 +252,7 @@ class DDPEngine(Engine):
         state["master"] = (masters if self.precision.mixed else []) + self.frozen.tensors()
         # The buckets and, when separate, the masters' fp32 gradients.
         separate = [m.grad for m in masters if m.grad is not None]
-        errors = [b.error for b in self.buckets if b.error is not None]  # error feedback
+        errors = [e for b in self.buckets for e in (b.error, b.owner_error) if e is not None]
         state["grads"] = [b.buffer for b in self.buckets] + separate + errors
         return state
 

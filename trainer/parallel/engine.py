@@ -144,10 +144,13 @@ class Engine(ABC):
         stepped = self.scaler.step(self.optimizer, self._step, self.zero_grad)
         if owners:
             # Error feedback's errors are in loss-scaled units, as the gradients they
-            # join: a new scale rescales them (a power of two, exact), on the device.
+            # join (ddp's owner errors too, of the mean of such gradients): a new scale
+            # rescales them (a power of two, exact), on the device.
             ratio = self.scaler.scale / before
             for b in owners:
                 b.error.mul_(ratio)
+                if b.owner_error is not None:
+                    b.owner_error.mul_(ratio)
         return stepped
 
     @property
@@ -281,9 +284,11 @@ class Engine(ABC):
 
     def feedback_owners(self) -> list[Any]:
         """The gradient buffers whose `error` (error feedback's last quantization error
-        of this rank, None until their first int8 reduction) a checkpoint saves, in a
-        fixed order, each with its `params` ([Note: error feedback in a checkpoint] in
-        state.py). None of them without `mode.error_feedback`."""
+        of this rank, None until their first int8 reduction) and `owner_error` (that of
+        the AllGathered sum of the chunk this rank owns, ddp's AllReduce; None elsewhere)
+        a checkpoint saves, in a fixed order, each with its `params` ([Note: error
+        feedback in a checkpoint] in state.py). None of them without
+        `mode.error_feedback`."""
         return []
 
 

@@ -58,9 +58,10 @@ def dtype_of(name: str, key: str = "precision") -> torch.dtype:
 # slice, so it rounds its whole gradient each step, and only that rank knows what it
 # rounded away until it sends again. Saved by every rank in checkpoints and resumed
 # exactly in the same layout ([Note: error feedback in a checkpoint] in state.py).
-# In ddp only the first of its AllReduce's two roundings (the senders') is fed back: the
-# owner's rounding of the mean for the AllGather is not, and the sum of what arrives
-# drifts by it; nor is the int8 AllReduce across groups of `mode.shard_group_size`.
+# In ddp both of its AllReduce's roundings are fed back, the senders' and the owner's
+# of the mean it AllGathers: the owner keeps a (chunk,) fp32 error too, 4Ψ/P more
+# ([Note: error feedback on both roundings] in comm/quantized.py). The int8 AllReduce
+# across groups of `mode.shard_group_size` has no error feedback.
 
 
 @dataclass(frozen=True)

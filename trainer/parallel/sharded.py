@@ -90,6 +90,9 @@ class ShardedBuffer:
         if precision.reduce_int8 and mesh.replicate is not None:  # made at the same point
             prepare_all_reduce_int8(mesh.replicate)  # on every rank
         self.error: torch.Tensor | None = None  # (N, S) fp32: error feedback's last error
+        # None: the AllReduce across groups (`Reducer`) has no error feedback, on neither
+        # of its roundings ([Note: error feedback on both roundings] in comm/quantized.py)
+        self.owner_error: torch.Tensor | None = None
         self.n_flags = 0  # used-flag columns its ReduceScatter carries ([Note: used flags])
         self.grad_shard: torch.Tensor | None = None  # (S,) fp32, summed over synced backwards
         # In flight while it is reduced: the filled (N, S + n_flags) input, the output of

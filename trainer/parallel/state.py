@@ -23,16 +23,20 @@ a dense one (checkpoint/recutting.py).
 [Note: error feedback in a checkpoint]
 With `mode.error_feedback` each rank holds, per gradient buffer, the fp32 error of its
 last quantization of its own gradient ((P, C): one row per destination rank), in the
-gradient's units (loss-scaled in fp16, as the scale that is saved with it). It belongs
-to that rank alone, so every rank writes its own, replicas included, as `feedback/i`
-in its data file, and describes them in its index (`feedback_layout`: mode, world size,
-shard group size, expert-parallel size and each buffer's parameters). A resume with
-the same description reads each rank's errors back exactly, and the next reduction
-sends them as if the run had not stopped. Another one (another world size, mode,
-bucket size, shard group or expert-parallel size) cannot be re-cut: an error is of one
-rank's local gradient, which no rank of the new layout computes; error feedback then
-restarts at zero, as a fresh run's does, with one line saying so: what it loses is the
-rounding error of one step, at most half a quantization step per value and rank.
+gradient's units (loss-scaled in fp16, as the scale that is saved with it), and in ddp
+the error of its last quantization of the chunk's mean it owns and AllGathers ((C,),
+[Note: error feedback on both roundings] in comm/quantized.py). They belong to that
+rank alone, so every rank writes its own, replicas included, as `feedback/i` (and
+`feedback/i/owner`) in its data file, and describes them in its index
+(`feedback_layout`: mode, world size, shard group size, expert-parallel size and each
+buffer's parameters). A resume with the same description reads each rank's errors back
+exactly, and the next reduction sends them as if the run had not stopped (a checkpoint
+written before ddp kept owner errors holds none: they start at zero, as that run's
+AllGathers had none). Another one (another world size, mode, bucket size, shard group
+or expert-parallel size) cannot be re-cut: an error is of one rank's local gradient,
+which no rank of the new layout computes; error feedback then restarts at zero, as a
+fresh run's does, with one line saying so: what it loses is the rounding error of one
+step, at most half a quantization step per value and rank (and per rounding, in ddp).
 """
 
 from __future__ import annotations
@@ -99,8 +103,9 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
 def feedback_layout(engine: Engine) -> dict[str, Any] | None:
     """What a checkpoint says of this rank's error feedback buffers, None without error
     feedback ([Note: error feedback in a checkpoint]): `buffers` holds, per buffer, its
-    parameters' names and element count and the shape of its `error` (None before its
-    first int8 reduction; nothing is written then)."""
+    parameters' names and element count and the shapes of its `error` and `owner_error`
+    (None before its first int8 reduction, and where a mode has none; nothing is written
+    then)."""
     owners = engine.feedback_owners()
     if not owners:
         return None
@@ -116,6 +121,7 @@ def feedback_layout(engine: Engine) -> dict[str, Any] | None:
                 "names": [names[id(p)] for p in b.params],
                 "numel": sum(p.numel() for p in b.params),
                 "shape": None if b.error is None else list(b.error.shape),
+                "owner_shape": None if b.owner_error is None else list(b.owner_error.shape),
             }
             for b in owners
         ],
@@ -136,19 +142,28 @@ def feedback_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None
 
 @torch.no_grad()
 def load_feedback(
-    engine: Engine, saved: dict[str, Any], read: Callable[[int, torch.Tensor], None]
+    engine: Engine, saved: dict[str, Any], read: Callable[[str, torch.Tensor], None]
 ) -> None:
-    """Each saved `error` into its buffer (layouts already agreed by `feedback_mismatch`),
-    `read(i, out)` filling buffer i's from this rank's file; a buffer saved without one
-    (not reduced yet) starts at zero, as do all without a checkpoint."""
+    """Each saved `error` and `owner_error` into its buffer (layouts already agreed by
+    `feedback_mismatch`), `read(name, out)` filling entry `name` (`feedback_entry`) from
+    this rank's file; one saved without (not reduced yet; an owner error in a checkpoint
+    from before ddp kept them) starts at zero, as do all without a checkpoint."""
     for i, (b, entry) in enumerate(zip(engine.feedback_owners(), saved["buffers"], strict=True)):
-        if entry["shape"] is None:
-            b.error = None
-            continue
         device = b.params[0].device
-        if b.error is None or list(b.error.shape) != entry["shape"]:
-            b.error = torch.zeros(entry["shape"], dtype=torch.float32, device=device)
-        read(i, b.error.view(-1))
+        for attr, key in (("error", "shape"), ("owner_error", "owner_shape")):
+            shape, held = entry.get(key), getattr(b, attr)
+            if shape is None:
+                setattr(b, attr, None)
+                continue
+            if held is None or list(held.shape) != shape:
+                held = torch.zeros(shape, dtype=torch.float32, device=device)
+                setattr(b, attr, held)
+            read(feedback_entry(i, attr), held.view(-1))
+
+
+def feedback_entry(i: int, attr: str) -> str:
+    """The data file entry of buffer i's `error` or `owner_error`."""
+    return f"feedback/{i}" if attr == "error" else f"feedback/{i}/owner"
 
 
 def holds(engine: Engine, g: ShardGroup) -> bool:
@@ -207,8 +222,9 @@ def data_to_write(engine: Engine) -> tuple[list[DataEntry], list[dict[str, dict]
         scalars.append(scalar)
     # [Note: error feedback in a checkpoint]: every rank its own
     for i, b in enumerate(engine.feedback_owners()):
-        if b.error is not None:
-            entries.append((f"feedback/{i}", torch.float32, [b.error.numel()], [b.error.view(-1)]))
+        for attr in ("error", "owner_error"):
+            if (e := getattr(b, attr)) is not None:
+                entries.append((feedback_entry(i, attr), torch.float32, [e.numel()], [e.view(-1)]))
     if engine.rank == 0:
         module = engine.module.state_dict(keep_vars=True)
         for k, name in shard_layout(engine)["keys"]:
