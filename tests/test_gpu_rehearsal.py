@@ -54,6 +54,14 @@ def test_the_unplanted_combinations_pass(tmp_path):
     rehearse("ddp fp32", tmp_path, 8, 7)
 
 
+def test_a_chained_collective_and_a_checkpoint_pass(tmp_path):
+    # ddp int8 chains its AllGather behind its all-to-all, on CUDA in the caller's thread,
+    # under the caller's dispatch modes (pushed again, FakeTensorMode refused them); a
+    # checkpoint agrees twice, on the ranks' writes and on rank 0's commit
+    rehearse("ddp int8 communication", tmp_path)
+    rehearse("ddp checkpoint save and resume", tmp_path / "ckpt", 4, 0)  # rank 0 saves
+
+
 def test_an_allocation_without_device_fails(tmp_path, monkeypatch):
     def check(self, stop):  # Guard.check with its flags left on the CPU
         p, r = comm.world_size(), comm.rank()

@@ -351,7 +351,10 @@ class Chained(Handle):
         try:
             if wait_first:
                 self._first._wait(exposed=False)
-            for mode in self._modes:
+            # On the continuation thread the caller's modes are pushed again; on CUDA
+            # `then` runs in the caller's thread, under them already (pushing a mode
+            # twice would dispatch every op to it twice, and FakeTensorMode refuses)
+            for mode in self._modes if wait_first else ():
                 _python_dispatch._push_mode(mode)
                 pushed += 1
             with torch.no_grad():
