@@ -46,6 +46,7 @@ from trainer.checkpoint import agree  # noqa: E402
 from trainer.comm import collectives, groups  # noqa: E402
 from trainer.config.checks import engine_options  # noqa: E402
 from trainer.models import builtin  # noqa: E402
+from trainer.models.hooks import model_hooks  # noqa: E402
 from trainer.models.materialize import SeededInit, empty_weights  # noqa: E402
 from trainer.observe import memory  # noqa: E402
 from trainer.observe.memory import MemoryMonitor  # noqa: E402
@@ -262,6 +263,7 @@ def make_run(cfg, engine, env, run_dir: Path):
     return loop.Run(
         cfg, env, run_dir, None, engine, scheduler, batches(), None, writer, metrics, bar,
         resumable, scheduler.get_last_lr()[0], Guard(env.device), loop.Every.of(cfg),
+        model_hooks(engine.module),
     )  # fmt: skip
 
 
@@ -318,6 +320,7 @@ def values(c: Checker, cfg, p: int) -> None:
     c.values["fsdp gather check"] = lambda t: True
     c.values["lr schedule"] = lambda t: 1 if t.numel() == 1 else [1] * t.numel()
     c.values["checkpoint errors"] = lambda t: [0.0] * t.numel()  # no rank failed
+    c.values["checkpoint commit"] = lambda t: [0.0] * t.numel()  # rank 0 committed
     c.values["expert split sizes"] = expert_split_sizes
 
 
@@ -357,8 +360,8 @@ def counting_routed() -> Iterator[None]:
     # Every simulated rank does what this one does: a failure here is every rank's
     first_error = agree.first_error
 
-    def own_first_error(error: Any, device: torch.device) -> Any:
-        agreed = first_error(error, device)
+    def own_first_error(error: Any, device: torch.device, *what: str) -> Any:
+        agreed = first_error(error, device, *what)
         return agreed if error is None else error
 
     experts.expert_counts, experts._expert_major = expert_counts, expert_major

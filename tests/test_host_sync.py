@@ -171,14 +171,16 @@ def test_the_training_loop_reads_the_device_at_check_steps_only(tmp_path):
     # what its checkpoint at the end saves (the steps the schedule took, the loss
     # scaler) and its count of skipped steps for the summary.
     runs = run_distributed(_train_and_count, 2, str(tmp_path))[0]
-    # Each checkpoint's commit reads which ranks failed to write their part, once.
-    assert runs["fp32"][0] == LOOP_READS + ["checkpoint errors"]
+    # Each checkpoint reads which ranks failed to write their part, once, and whether
+    # rank 0's commit failed, once (where a barrier waited for it before).
+    saved = ["checkpoint errors", "checkpoint commit"]
+    assert runs["fp32"][0] == LOOP_READS + saved
     where, final = runs["fp16"]
-    assert where == LOOP_READS + ["lr schedule", "loss scaler", "checkpoint errors", "loss scaler"]
+    assert where == LOOP_READS + ["lr schedule", "loss scaler", *saved, "loss scaler"]
     assert 0 < final["overflow_steps"] < 12  # some steps were skipped, on the device
     # Step 6 is a check step (a checkpoint) inside the second interval: its check, then
     # the step clock's two waits around the eval and the checkpoint, left out of the
     # step time. At step 12 the clock has stopped: no wait around the last checkpoint.
-    at_6 = ["check step", "step clock", "checkpoint errors", "step clock"]
-    between = LOOP_READS[:5] + at_6 + LOOP_READS[5:] + ["checkpoint errors"]
+    at_6 = ["check step", "step clock", *saved, "step clock"]
+    between = LOOP_READS[:5] + at_6 + LOOP_READS[5:] + saved
     assert runs["between"][0] == between

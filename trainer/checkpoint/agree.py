@@ -30,14 +30,14 @@ def agree(fn, *args: Any) -> Any:
     return out[0]
 
 
-def first_error(error: Any, device: torch.device) -> Any:
+def first_error(error: Any, device: torch.device, what: str = "checkpoint errors") -> Any:
     """Every rank learns the lowest failing rank's error (any picklable value, a line
-    mostly), or None when all succeeded."""
+    mostly), or None when all succeeded. `what` names the host read it makes."""
     failed = torch.zeros(comm.world_size(), device=device)
     if error is not None:
         failed[comm.rank()] = 1
     comm.all_reduce(failed, tag="checkpoint", account=False).wait()
-    ranks = [r for r, f in enumerate(host.tolist(failed, "checkpoint errors")) if f]
+    ranks = [r for r, f in enumerate(host.tolist(failed, what)) if f]
     if not ranks:
         return None
     message = [error]

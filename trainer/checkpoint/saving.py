@@ -206,7 +206,7 @@ def _agree_and_commit(
         except Exception as e:  # not the storage's: still every rank's, or they would wait
             failure = TrainingError(f"rank 0 could not commit checkpoint {final}: {agree.line(e)}")
     # [Note: a failed commit]: one small AllReduce; rank 0's line follows only on a failure
-    failure = agree.first_error(failure, device)
+    failure = agree.first_error(failure, device, "checkpoint commit")
     if failure is not None:
         raise type(failure)(str(failure))
 
