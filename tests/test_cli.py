@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 from tb_events import layout
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -21,14 +21,10 @@ def run_cli(args: list[str], nproc: int | None = 2, timeout: float = 240, env: d
     launcher = TORCHRUN + [f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
     # a rank that dies of a signal (SIGABRT from an uncaught C++ exception, SIGSEGV)
     # prints every thread's Python stack into stderr, which a failing test shows
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
-    return subprocess.run(
-        launcher + [str(ROOT / "train.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
+    extra = {"PYTHONFAULTHANDLER": "1", **(env or {})}
+    # from a process that imported torch and the trainer once: [Note: warm command lines]
+    return warm_cli.run(
+        launcher, [str(ROOT / "train.py"), *args], {**os.environ, **extra}, extra, timeout
     )
 
 
