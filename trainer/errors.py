@@ -36,7 +36,9 @@ class StorageError(TrainingError):
     """A checkpoint file could not be read although nothing shows its bytes wrong: an
     OSError of the storage (EIO, ESTALE, EACCES) after a few attempts, or a file that one
     rank does not find while another does. The resume fails on every rank with one line
-    naming the file and the errno; nothing on disk is renamed or removed."""
+    naming the file and the errno; nothing on disk is renamed or removed. Also: the file
+    mode.offload=disk keeps state in could not be reserved, read or written, or changed
+    under the run (trainer/offload/disk.py)."""
 
 
 class PeerError(TrainingError):

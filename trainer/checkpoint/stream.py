@@ -32,14 +32,16 @@ import torch
 
 from trainer.checkpoint import storage
 from trainer.errors import ConfigError, Damaged, TrainingError
+from trainer.offload.disk import OnDisk
 
 BLOCK = 1 << 20  # bytes per CRC32
 ALIGN = 64  # entries start at multiples of this: no element straddles two blocks
 _ZEROS = bytes(BLOCK)
 
 # One segment of an entry: a tensor's elements (any device, any dtype: cast to the
-# entry's) or a count of zero elements (padding, pieces without optimizer state).
-Segment = torch.Tensor | int
+# entry's), a count of zero elements (padding, pieces without optimizer state), or values
+# in an offload file (mode.offload=disk: read through the staging buffer, a chunk at a time).
+Segment = torch.Tensor | int | OnDisk
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -171,7 +173,11 @@ class _Writer:
     def pad_to(self, pos: int) -> None:
         self.zeros(pos - self.pos)
 
-    def tensor(self, t: torch.Tensor, dtype: torch.dtype) -> None:
+    def tensor(self, t: torch.Tensor | OnDisk, dtype: torch.dtype) -> None:
+        if isinstance(t, OnDisk):  # from the offload file, as the state's own dtype
+            for chunk in t.chunks(self._staging(torch.device("cpu"))):
+                self._write(_bytes(chunk.to(dtype)))
+            return
         t = t.detach()
         if t.numel() == 0:
             return

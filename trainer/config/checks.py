@@ -93,6 +93,12 @@ def validate(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(f"comm.latency_us={_show(latency)} must be a number >= 0")
     _validate_precision(cfg)
     _validate_ranges(cfg)
+    if cfg.mode.get("offload") is not None and cfg.ckpt.get("async"):
+        raise ConfigError(
+            f"ckpt.async=true with mode.offload={cfg.mode.offload}: an async save copies the "
+            "whole state into host memory, which offload keeps it out of; use ckpt.async=false "
+            "(the save streams the offloaded state from its file)"
+        )
 
 
 def _whole(name: str, value: Any, minimum: int) -> None:
@@ -142,8 +148,11 @@ def _validate_precision(cfg: DictConfig) -> None:
     LossScaler(enabled=True, **options)
 
 
-def engine_options(cfg: DictConfig) -> dict[str, Any]:
-    """Everything under mode/ except its name goes to the engine's constructor."""
+def engine_options(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """Everything under mode/ except its name goes to the engine's constructor; an
+    offload file's directory defaults to `run_dir`/offload."""
     opts = OmegaConf.to_container(cfg.mode, resolve=True)
     opts.pop("name")
+    if opts.get("offload") is not None and opts.get("offload_dir") is None and run_dir:
+        opts["offload_dir"] = str(Path(run_dir) / "offload")
     return opts

@@ -103,6 +103,7 @@ class DdpMode:
     quant_block: int = 256
     error_feedback: bool = False
     expert_parallel: int = 1
+    offload: str | None = None  # refused: ddp replicates every state
 
 
 @dataclass
@@ -115,6 +116,8 @@ class ZeroMode:
     error_feedback: bool = False
     shard_group_size: int | None = None
     expert_parallel: int = 1
+    offload: str | None = None
+    offload_dir: str | None = None
 
 
 @dataclass
@@ -131,6 +134,8 @@ class FsdpMode:
     error_feedback: bool = False
     shard_group_size: int | None = None
     expert_parallel: int = 1
+    offload: str | None = None
+    offload_dir: str | None = None
 
 
 # optim/: the trainer's options, whose values conf/config.yaml sets for every choice,

@@ -23,8 +23,10 @@ from trainer import comm
 from trainer.observe import heap
 
 KINDS = ("params", "master", "grads", "optimizer", "comm")
-# Order of the packed tensor gathered to rank 0 (one Gather per logging interval).
-FIELDS = (*KINDS, "model_state", "peak")
+# Order of the packed tensor gathered to rank 0 (one Gather per logging interval). "disk":
+# the blocks of the offload file (mode.offload=disk), "offload_wait_us": microseconds per
+# step the optimizer step waited for that file ([Note: offloaded state]).
+FIELDS = (*KINDS, "model_state", "peak", "disk", "offload_wait_us")
 
 
 # ---------------------------------------------------------------------------------------
@@ -56,7 +58,13 @@ FIELDS = (*KINDS, "model_state", "peak")
 def measure(engine: Any) -> dict[str, int]:
     """Bytes this rank holds per kind, from live storages, plus model_state and peak."""
     held, device = _held(engine)
-    return {**held, "peak": peak_bytes(device)}
+    return {**held, "peak": peak_bytes(device), "disk": disk_bytes(engine)}
+
+
+def disk_bytes(engine: Any) -> int:
+    """Bytes of disk this rank's offload file takes (its allocated blocks); 0 without."""
+    offload = getattr(engine, "offload", None)
+    return offload.file.allocated_bytes() if offload is not None else 0
 
 
 def _held(engine: Any) -> tuple[dict[str, int], torch.device]:
@@ -341,6 +349,7 @@ class MemoryMonitor:
         )
         self.device = params[0].device if params else torch.device("cpu")
         self._high: dict[str, int] | None = None  # per-kind maximum since the last gather
+        self._waited_s, self._offload_steps = 0.0, 0  # the interval's offload waits
         optimizer = getattr(engine, "optimizer", None)
         self._step_peak: heap.StepPeak | None = None
         if optimizer is not None:
@@ -358,6 +367,10 @@ class MemoryMonitor:
 
     def _after_step(self, *_: object) -> None:
         self._steps += 1
+        offload = getattr(self.engine, "offload", None)
+        if offload is not None:  # run once per step, after its last buffer
+            self._waited_s += offload.last_step["wait_s"]
+            self._offload_steps += 1
         if self._fresh:
             self._fresh = False
             self.update()
@@ -390,6 +403,15 @@ class MemoryMonitor:
             apart = 4 * self.numel / s  # its fp32 master apart from `full` (docs/quantized.md)
             for key in ("master", "model_state", "working_set"):
                 out[key] += apart
+        offload = getattr(self.engine, "offload", None)
+        if offload is not None:  # in the file between steps (docs/offload.md)
+            moved = out["optimizer"] + (out["master"] if offload.move_masters else 0)
+            out["optimizer"] = 0.0
+            if offload.move_masters:
+                out["master"] = 0.0
+            out["model_state"] -= moved
+            out["working_set"] -= moved
+            out["disk"] = float(offload.nbytes)
         return out
 
     def _split(self) -> tuple[int, int, int]:
@@ -435,6 +457,10 @@ class MemoryMonitor:
         local, self._high = self._high, None
         peak = self.peak()
         local["peak"] = -1 if peak is None else peak  # -1: not measured (packed as int64)
+        local["disk"] = disk_bytes(self.engine)
+        steps = max(1, self._offload_steps)
+        local["offload_wait_us"] = int(self._waited_s / steps * 1e6)
+        self._waited_s, self._offload_steps = 0.0, 0
         return local
 
     def gather(self) -> dict[str, float]:
@@ -471,7 +497,12 @@ def report(
     equals the model state (no transient units)."""
     exp = exp or {}
     out: dict[str, float] = {}
+    rows = [{"disk": 0, "offload_wait_us": 0, **row} for row in rows]  # no offload: none
     for f in FIELDS:
+        if f == "offload_wait_us":  # a time, not bytes; only where something is offloaded
+            if any(row["disk"] for row in rows):
+                out["offload/wait_ms_per_step/max"] = max(row[f] for row in rows) / 1e3
+            continue
         if f == "peak":
             if any(row[f] < 0 for row in rows):  # not measured on some rank
                 continue

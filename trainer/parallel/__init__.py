@@ -9,6 +9,7 @@ frozen parameters' fp32 values, fp16 loss scaling and its step). Start with zero
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ def build_engine(
     source: Source | None = None,
     device: torch.device | str | None = None,
     expert_parallel: int = 1,
+    offload: str | None = None,
+    offload_dir: str | Path | None = None,
     **options: Any,
 ) -> Engine:
     """Wrap `model` (fp32) for `mode`; `optimizer` is called with the parameters it should
@@ -60,11 +63,16 @@ def build_engine(
     `options` are the mode's own (bucket_mb, reshard_after_forward, ...);
     `expert_parallel=E` spreads each MoE layer's experts over groups of E ranks
     (trainer/parallel/experts.py).
+    `offload="disk"` (zero, fsdp; CPU) keeps this rank's optimizer state, and zero's
+    separate fp32 masters, in `offload_dir/rank<r>.offload` between steps
+    ([Note: offloaded state] in trainer/offload/state.py); call `engine.close()` after
+    the run to remove the file.
 
     A model whose parameters are on the meta device (built under
     `materialize.empty_weights()`) takes its values from `source`: `SeededInit(seed)`
     for a fresh init, `Pretrained(dir)` for safetensors weights ([Note: building on
     meta]); `device` is where its state goes (default: its buffers' device, else CPU)."""
+    _check_offload(offload, offload_dir, mode, model, device)
     ep = experts.plan(model, expert_parallel, options.get("shard_group_size"))
     mp = Precision.of(precision, reduce_dtype, gather_dtype, quant_block, error_feedback)
     if gather_dtype is not None and mode == "ddp":
@@ -122,9 +130,47 @@ def build_engine(
     if ep is not None:
         options["experts"] = ep
         experts.scale_gradients(ep)  # [Note: expert gradient scale] in experts.py
-    return engine_cls(
+    engine = engine_cls(
         model, optimizer, precision=mp, scaler=scaler, param_options=param_options, **options
     )
+    if offload is not None:
+        engine.offload_state(Path(offload_dir) / f"rank{comm.rank()}.offload")
+    return engine
+
+
+def _check_offload(
+    offload: str | None,
+    offload_dir: str | Path | None,
+    mode: str,
+    model: nn.Module,
+    device: torch.device | str | None,
+) -> None:
+    """Refuse in one line an offload this build cannot do, before anything is built."""
+    if offload is None:
+        return
+    if offload not in ("host", "disk"):
+        raise ConfigError(f"mode.offload={offload!r} is not one of null, host, disk")
+    if mode == "ddp":
+        raise ConfigError(
+            f"mode.offload={offload} applies to zero and fsdp: ddp replicates every state on "
+            "every rank; use mode=zero (or fsdp) with mode.offload"
+        )
+    where = torch.device(device) if device is not None else None
+    if where is None:
+        where = next((p.device for p in model.parameters() if not p.is_meta), None)
+    on_cuda = where is not None and where.type == "cuda"
+    if offload == "host" and not on_cuda:
+        raise ConfigError(
+            "mode.offload=host moves state from the GPU to host memory, where a CPU run "
+            "keeps it already: use mode.offload=disk to move it out of memory"
+        )
+    if on_cuda:
+        raise ConfigError(
+            f"mode.offload={offload} on CUDA (the step on the host, pinned copies on the "
+            "side streams) is not built yet: unset mode.offload (docs/offload.md)"
+        )
+    if offload_dir is None:
+        raise ConfigError("mode.offload=disk needs mode.offload_dir, the directory of its file")
 
 
 def _grad_hooks(p: torch.Tensor) -> bool:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from torch import nn
 
 from trainer import comm
 from trainer.comm import groups as comm_groups
+from trainer.errors import ConfigError
+from trainer.offload.state import OffloadedState
 from trainer.parallel import clipping, pieces
 from trainer.parallel.broadcast import broadcast_tensors
 from trainer.parallel.experts import ExpertPlan
@@ -87,6 +90,8 @@ class Engine(ABC):
         self._sync = True
         self._in_backward = False  # [Note: end of backward]: the callback is queued
         self.frozen = FrozenMasters()  # fp32 values of frozen parameters, if cast
+        # mode.offload=disk: the optimizer state in a file between steps (offload/state.py)
+        self.offload: OffloadedState | None = None
 
     # -- forward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -171,7 +176,10 @@ class Engine(ABC):
 
     @torch.no_grad()
     def _step(self) -> None:
-        self.optimizer.step()
+        if self.offload is None:
+            self.optimizer.step()
+        else:  # buffer by buffer, each while its state is read back ([Note: offloaded state])
+            self.offload.step()
         self.zero_grad()
         self.params_from_masters()
 
@@ -191,7 +199,8 @@ class Engine(ABC):
         parameters from the masters, floating buffers in fp32. A collective in the modes
         that shard: every rank must call it. `rank0_only`: gathered to rank 0 one group
         at a time, {} on the other ranks ([Note: gathering to rank 0] in pieces.py)."""
-        whole = dict(pieces.whole_values(self.shard_groups(), self.mesh, rank0_only))
+        groups = self.shard_groups()
+        whole = dict(pieces.whole_values(groups, self.mesh, rank0_only, self._masters_in_memory))
         if self.experts is not None:  # each rank's experts, then over their EP group
             self.experts.gather_rows(whole, self.device)
         if rank0_only and self.rank != 0:
@@ -275,6 +284,25 @@ class Engine(ABC):
 
     def eval(self) -> Engine:
         return self.train(False)
+
+    # -- offload ----------------------------------------------------------------------------
+    def offload_state(self, path: Path) -> None:
+        """mode.offload=disk: keep this rank's optimizer state in a file at `path` between
+        steps ([Note: offloaded state] in trainer/offload/state.py). The sharding modes
+        implement it; build_engine refuses the others first."""
+        raise ConfigError(f"mode.offload=disk: mode={self.name} keeps no sharded state to offload")
+
+    def _masters_in_memory(self, i: int) -> AbstractContextManager:
+        """Inside: shard group i's values (`local`) in memory, where offload moved them."""
+        if self.offload is None or not self.offload.move_masters:
+            return nullcontext()
+        return self.offload.masters(i)
+
+    def close(self) -> None:
+        """What the engine holds outside memory, released: the offload file is removed.
+        The run calls it once it is done with the engine, on success or error."""
+        if self.offload is not None:
+            self.offload.close()
 
     # -- checkpoints (trainer/checkpoint/; the layout code is in state.py) -------------------
     @abstractmethod

@@ -20,6 +20,7 @@ gradients are views into the shard's reduced gradient, handed out after each bac
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,33 +121,41 @@ def param_groups(pairs: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> list[d
 # rank 0 copies its own parameters and the others do nothing.
 @torch.no_grad()
 def whole_values(
-    groups: Sequence[ShardGroup], mesh: Mesh, rank0_only: bool = False
+    groups: Sequence[ShardGroup],
+    mesh: Mesh,
+    rank0_only: bool = False,
+    in_memory: Callable[[int], AbstractContextManager] = lambda i: nullcontext(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter of `groups` whole, as CPU copies by name, one group at a time: a
     sharded group's slices gathered over the shard group in rank order (a collective:
     every rank takes every item). `rank0_only`: to rank 0 alone, the other ranks get
-    nothing ([Note: gathering to rank 0])."""
+    nothing ([Note: gathering to rank 0]). `in_memory(i)`: a context inside which group
+    i's `local` is in memory (offloaded masters are read back for it)."""
+    for i, g in enumerate(groups):
+        with in_memory(i):
+            yield from _whole_group(g, mesh, rank0_only)
+
+
+def _whole_group(g: ShardGroup, mesh: Mesh, rank0_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
     rank = comm.rank()
-    for g in groups:
-        # An expert group (its own `group`, parallel/experts.py) is gathered over it on
-        # every rank: its values then go on to an AllGather over the EP group.
-        expert = g.group is not None
-        keeps = rank == 0 or not rank0_only or expert
-        if g.sharded and rank0_only and rank >= mesh.shard_size and not expert:
-            continue  # a replica: the first shard group holds the same slices
-        flat, full, slices = g.local.detach().reshape(-1), None, None
-        if g.sharded:  # the shard group's slices of the fp32 masters, in rank order
-            full = flat.new_empty(g.layout.padded_numel) if keeps else None
-            if rank0_only and not expert:
-                slices = list(full.chunk(mesh.shard_size)) if keeps else None
-                comm.gather(flat, slices, dst=0, tag="state", group=mesh.shard).wait()
-            else:
-                group = g.group if expert else mesh.shard
-                comm.all_gather(full, flat, tag="state", group=group).wait()
-            flat = full
-        if keeps:
-            yield from _copies(g.names, g.layout.views(flat))
-        flat = full = slices = None  # before the next group is gathered
+    # An expert group (its own `group`, parallel/experts.py) is gathered over it on
+    # every rank: its values then go on to an AllGather over the EP group.
+    expert = g.group is not None
+    keeps = rank == 0 or not rank0_only or expert
+    if g.sharded and rank0_only and rank >= mesh.shard_size and not expert:
+        return  # a replica: the first shard group holds the same slices
+    flat, full, slices = g.local.detach().reshape(-1), None, None
+    if g.sharded:  # the shard group's slices of the fp32 masters, in rank order
+        full = flat.new_empty(g.layout.padded_numel) if keeps else None
+        if rank0_only and not expert:
+            slices = list(full.chunk(mesh.shard_size)) if keeps else None
+            comm.gather(flat, slices, dst=0, tag="state", group=mesh.shard).wait()
+        else:
+            group = g.group if expert else mesh.shard
+            comm.all_gather(full, flat, tag="state", group=group).wait()
+        flat = full
+    if keeps:
+        yield from _copies(g.names, g.layout.views(flat))
 
 
 def _copies(names: list[str], views: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

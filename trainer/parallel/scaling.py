@@ -240,12 +240,15 @@ def can_skip_on_device(optimizer: torch.optim.Optimizer) -> bool:
 def skipping_if(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Iterator[None]:
     """`optimizer.step()` inside updates nothing when the 0-d flag `found_inf` is 1, as
     decided on the device (an optimizer for which `can_skip_on_device` holds)."""
-    _fill_momentum(optimizer)
+    # At each step() call, for the parameters it steps: an offloaded step calls it once
+    # per buffer ([Note: offloaded state]), and fills that buffer's momentum only.
+    filling = optimizer.register_step_pre_hook(lambda opt, args, kwargs: _fill_momentum(opt))
     optimizer.found_inf = found_inf  # what GradScaler hands fused optimizers
     try:
         yield
     finally:
         del optimizer.found_inf
+        filling.remove()
 
 
 @torch.no_grad()

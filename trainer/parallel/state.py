@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from trainer.offload.disk import OnDisk
 from trainer.parallel.engine import Engine
 from trainer.parallel.pieces import ShardGroup
 
@@ -178,7 +179,7 @@ def holds(engine: Engine, g: ShardGroup) -> bool:
 
 # What a rank writes, as (name, dtype, shape, segments): segments are live tensors, or
 # counts of zero elements ([Note: streamed checkpoint files] in checkpoint/stream.py).
-DataEntry = tuple[str, torch.dtype, list[int], list[torch.Tensor | int]]
+DataEntry = tuple[str, torch.dtype, list[int], list[torch.Tensor | int | OnDisk]]
 
 
 @torch.no_grad()
@@ -193,13 +194,16 @@ def data_to_write(engine: Engine) -> tuple[list[DataEntry], list[dict[str, dict]
     entries: list[DataEntry] = []
     scalars: list[dict[str, dict] | None] = []
     state = engine.optimizer.state
+    # mode.offload=disk: what is in the offload file is streamed from there
+    stored = engine.offload.on_disk() if engine.offload is not None else {}
     for i, g in enumerate(engine.shard_groups()):
         if not holds(engine, g):
             scalars.append(None)
             continue
         local = g.local.detach().reshape(-1)
-        entries.append((f"params/{i}", local.dtype, [local.numel()], [local]))
-        per_element: dict[str, list[torch.Tensor | int]] = {}
+        values = stored.get(id(g.local), local)
+        entries.append((f"params/{i}", local.dtype, [local.numel()], [values]))
+        per_element: dict[str, list[torch.Tensor | int | OnDisk]] = {}
         dtypes: dict[str, torch.dtype] = {}
         ends: dict[str, int] = {}
         scalar: dict[str, dict] = {}
@@ -212,7 +216,8 @@ def data_to_write(engine: Engine) -> tuple[list[DataEntry], list[dict[str, dict]
                 if torch.is_tensor(v) and v.shape == piece.tensor.shape and k != "step":
                     segments = per_element.setdefault(k, [])
                     dtypes.setdefault(k, v.dtype)
-                    segments += [piece.start - ends.get(k, 0), v.detach().reshape(-1)]
+                    elements = stored.get(id(v), v.detach().reshape(-1))
+                    segments += [piece.start - ends.get(k, 0), elements]
                     ends[k] = piece.end
                 else:
                     scalar[piece.name][k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
@@ -272,12 +277,15 @@ def load_streamed(
     tensors shaped like the piece, which the optimizer takes as they are; `scalar`: the
     other optimizer state (step counters) by parameter name; `replicated(key, out)`
     reads a buffer or frozen parameter. Every rank calls it, with its own `fill`."""
-    groups, opt = engine.shard_groups(), engine.optimizer
+    groups, opt, offload = engine.shard_groups(), engine.optimizer, engine.offload
     index = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
     target = opt.state_dict()
     target["state"] = {}
     for i, g in enumerate(groups):
+        if offload is not None:  # [Note: offloaded state]: one group in memory at a time
+            offload.load_master(i)
         fill(i, None, g.local.detach().reshape(-1), 0)
+        loaded = {}
         for piece in g.pieces:
             saved = scalar.get(piece.name)
             if saved is None:  # never stepped: no state
@@ -291,6 +299,9 @@ def load_streamed(
             # copies: the optimizer increments step counters in place, one each
             counters = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()}
             target["state"][index[id(t)]] = {**counters, **tensors}
+            loaded[t] = tensors
+        if offload is not None:  # out to the file; the optimizer takes them freed
+            offload.store(i, loaded)
     # How the optimizer is implemented stays this run's: torch places the step counters
     # by the loaded groups' `fused` (on the parameters' device, as fused kernels need, or
     # on the CPU), and an fp16 run is fused where an fp32 one is not.

@@ -19,6 +19,7 @@ moving the model to its device: `.to()` would replace the views.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 from trainer import comm
 from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
+from trainer.offload.state import OffloadedState
 from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, optimizer_state_tensors
 from trainer.parallel.experts import ExpertPlan
@@ -150,22 +152,35 @@ class ZeroEngine(Engine):
     # -- step: update this rank's slices, then AllGather them into the full parameters -----
     @torch.no_grad()
     def _step(self) -> None:
-        self.optimizer.step()  # the pieces: views of each bucket's master slice
+        if self.offload is None:
+            self.optimizer.step()  # the pieces: views of each bucket's master slice
+            for b in self.buckets:
+                self._cast_master(b)
+        else:  # bucket by bucket, each cast while its master is read back
+            self.offload.step(self._cast_master)  # [Note: offloaded state]
         self.zero_grad()
-        self.params_from_masters()
+        self._all_gather_params()
 
     @torch.no_grad()
     def params_from_masters(self) -> None:
         """The masters into the full parameters: cast, then AllGather."""
-        self._cast_masters()
+        for i, b in enumerate(self.buckets):
+            with self._masters_in_memory(i):
+                self._cast_master(b)
         self._all_gather_params()
 
-    def _cast_masters(self) -> None:
-        """Mixed precision ([Note: master weights] in precision.py): each fp32 master
+    def _cast_master(self, b: ShardedBuffer) -> None:
+        """Mixed precision ([Note: master weights] in precision.py): the fp32 master
         slice rounded into this rank's slice of `full`. In fp32 they are one tensor."""
         if self.precision.mixed and not self.precision.gather_int8:  # int8: from the master
-            for b in self.buckets:
-                b.param_shard.copy_(b.master)
+            b.param_shard.copy_(b.master)
+
+    def offload_state(self, path: Path) -> None:
+        # The masters move where they are tensors of their own that only the step reads
+        # (mixed precision); in fp32 they are the parameters, and an int8 AllGather
+        # quantizes them after the step.
+        move = self.precision.mixed and not self.precision.gather_int8
+        self.offload = OffloadedState(self.optimizer, self.buckets, move, path)
 
     def _all_gather_params(self) -> None:
         # Launch all, then wait all: the AllGathers overlap each other. Each rank's input

@@ -78,6 +78,7 @@ def train_in_group(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
         return _train_steps(cfg, run)
     finally:
         checkpoint.drop_save()  # a write still pending on an error: joined, not committed
+        run.engine.close()  # an offload file removed
 
 
 def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
@@ -226,7 +227,7 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         param_options=param_options(cfg.optim),
         source=source,
         device=env.device,
-        **engine_options(cfg),
+        **engine_options(cfg, run_dir),
     )
     if cfg.train.meta_build:  # every rank alike, so fsdp's collectives pair up
         check_fit(engine, dataset, *names, device=env.device)

@@ -1,0 +1,351 @@
+"""mode.offload=disk: the offload file, and zero and fsdp with their optimizer state in it,
+bitwise against offload=null ([Note: offloaded state] in trainer/offload/state.py).
+
+One group per world size (P = 1, 2, 4) trains every case twice, without and with offload,
+in one set of worker processes; the tests compare what each run returned. Bitwise: the
+offloaded step runs the same kernels on the same tensors, only one buffer at a time, and
+the state goes through the file byte for byte, so no tolerance applies."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from dist_harness import run_distributed
+
+from trainer.errors import ConfigError, StorageError
+from trainer.offload.disk import OffloadFile
+
+# -- the file --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_regions_round_trip_bit_for_bit(tmp_path, dtype):
+    f = OffloadFile(tmp_path / "rank0.offload", 3 * 4096)
+    try:
+        values = torch.randn(1000).to(dtype)
+        f.write_async([(values, 4096)]).result()
+        back = torch.empty_like(values)
+        f.read_async([(back, 4096)]).result()
+        assert torch.equal(back.view(torch.uint8), values.view(torch.uint8))
+        assert os.stat(f.path).st_size == 3 * 4096  # reserved in full at start
+    finally:
+        f.close()
+    assert not f.path.exists()  # removed when the run ends
+
+
+def test_a_full_disk_is_refused_at_start_in_one_line(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    path = tmp_path / "rank0.offload"
+    with pytest.raises(StorageError) as e:
+        OffloadFile(path, free + 2**30)  # a real ENOSPC from posix_fallocate
+    line = str(e.value)
+    assert "\n" not in line and str(path) in line and "free" in line and str(free + 2**30) in line
+    assert not path.exists()  # nothing left behind
+
+
+def test_a_file_left_by_a_killed_run_is_replaced_not_grown(tmp_path):
+    path = tmp_path / "rank0.offload"
+    path.write_bytes(b"x" * 3 * 4096)
+    f = OffloadFile(path, 4096)
+    try:
+        assert os.stat(path).st_size == 4096
+    finally:
+        f.close()
+
+
+def test_a_truncated_file_is_an_error_naming_it(tmp_path):
+    f = OffloadFile(tmp_path / "rank0.offload", 2 * 4096)
+    try:
+        f.write_async([(torch.ones(1024), 4096)]).result()
+        os.truncate(f.path, 4096 + 100)
+        with pytest.raises(StorageError, match="truncated") as e:
+            f.check()
+        assert str(f.path) in str(e.value)
+        with pytest.raises(StorageError, match="ends at byte 4196") as e:
+            f.read_async([(torch.empty(1024), 4096)]).result()
+        assert str(f.path) in str(e.value) and "\n" not in str(e.value)
+    finally:
+        f.close()
+
+
+def test_a_removed_or_replaced_file_is_an_error_naming_it(tmp_path):
+    f = OffloadFile(tmp_path / "rank0.offload", 4096)
+    try:
+        f.path.unlink()
+        with pytest.raises(StorageError, match="was removed") as e:
+            f.check()
+        assert str(f.path) in str(e.value)
+        f.path.write_bytes(bytes(4096))  # another file under the name
+        with pytest.raises(StorageError, match="replaced"):
+            f.check()
+    finally:
+        f.close()
+    assert f.path.exists()  # not ours: left alone
+
+
+def test_a_failed_write_behind_surfaces_at_its_wait(tmp_path, monkeypatch):
+    f = OffloadFile(tmp_path / "rank0.offload", 4096)
+
+    def eio(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    try:
+        monkeypatch.setattr(os, "pwrite", eio)
+        pending = f.write_async([(torch.ones(8), 0)])
+        with pytest.raises(StorageError, match=r"write of bytes \[0, 32\).*EIO"):
+            pending.result()
+    finally:
+        monkeypatch.undo()
+        f.close()
+
+
+# -- refusals, before anything is built --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mode, offload, needle",
+    [
+        ("ddp", "disk", "ddp replicates every state on every rank; use mode=zero"),
+        ("zero", "host", "use mode.offload=disk"),
+        ("fsdp", "nvme", "mode.offload='nvme' is not one of null, host, disk"),
+    ],
+)
+def test_what_offload_cannot_do_is_refused_in_one_line(tmp_path, mode, offload, needle):
+    from trainer.parallel import build_engine
+
+    model = torch.nn.Linear(4, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError) as e:
+        build_engine(model, mode, torch.optim.SGD, offload=offload, offload_dir=tmp_path)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not list(tmp_path.iterdir())
+
+
+# -- training: every case without and with offload -------------------------------------------
+
+STEPS = 3
+
+
+def _model() -> torch.nn.Module:
+    # repeated Linears: several fsdp units; a LayerNorm; zero cuts it into several buckets
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Linear(12, 24), nn.LayerNorm(24), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 6)
+    )
+
+
+def _optimizer(name: str):
+    # AdamW with eps=1e-3: rounding noise on a gradient near zero stays far below lr
+    if name == "adamw":
+        return functools.partial(torch.optim.AdamW, lr=1e-2, eps=1e-3, weight_decay=0.1)
+    return functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
+def _no_decay(name: str, p: torch.nn.Parameter) -> dict:
+    return {"weight_decay": 0.0} if p.dim() == 1 else {}  # two param groups
+
+
+def _train(env, mode, precision, optim, accum, offload, directory, save=None, resume=None):
+    """STEPS steps (accumulation, clipping, an lr schedule) of `mode`; returns the whole
+    final state, the resident optimizer (and master) bytes after each step, the largest
+    resident while a step ran and the largest buffer's state."""
+    from trainer import checkpoint
+    from trainer.parallel import build_engine
+
+    engine = build_engine(
+        _model(), mode, _optimizer(optim), precision=precision, param_options=_no_decay,
+        bucket_mb=0.002, offload=offload, offload_dir=directory,
+    )  # fmt: skip
+    from trainer.run.optim import lr_scheduler
+
+    optim_cfg = {"schedule": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}
+    schedule = lr_scheduler(engine.optimizer, optim_cfg, STEPS, engine.skips_on_device)
+
+    def resident(kind: str) -> int:
+        # per-element tensors: not the step counters (0-d, kept in memory)
+        tensors = engine.state_tensors().get(kind, [])
+        return sum(t.untyped_storage().nbytes() for t in tensors if t.dim() > 0)
+
+    in_step: list[int] = []  # before each call of the optimizer's step: one per buffer
+    engine.optimizer.register_step_pre_hook(lambda *a: in_step.append(resident("optimizer")))
+    start = 0
+    if resume is not None:
+        cfg = {"ckpt": {"every": 1, "dir": str(resume), "keep": 2}, "resume": "auto"}
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.create({**cfg, "train": {"steps": STEPS}})
+        start = checkpoint.maybe_resume(cfg, engine, Path("unused"), scheduler=schedule)
+    after: list[tuple[int, int]] = []
+    for step in range(start + 1, STEPS + 1):
+        g = torch.Generator().manual_seed(100 * step + env.rank)
+        for micro in range(accum):
+            x, y = torch.randn(4, 12, generator=g), torch.randn(4, 6, generator=g)
+            with engine.no_sync() if micro < accum - 1 else _nothing():
+                loss = (engine(x).float() - y).square().mean() / accum
+                engine.backward(loss)
+        engine.clip_grad_norm_(0.5)
+        schedule.step(engine.step())
+        after.append((resident("optimizer"), resident("master")))
+        if save is not None and step == save[1]:
+            checkpoint.save(save[0], step, engine, scheduler=schedule)
+    largest = 0
+    if engine.offload is not None:  # one buffer's state, as the file lays it out
+        regions = engine.offload.regions
+        largest = max(len(engine.offload.keys) * b.shard_numel * 4 for b in engine.offload.buffers)
+        assert regions
+    state = engine.full_state_dict()
+    path = engine.offload.file.path if engine.offload is not None else None
+    engine.close()
+    return {
+        "state": state,
+        "after": after,
+        "in_step": in_step,
+        "largest": largest,
+        "file_left": path is not None and path.exists(),
+    }
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+CASES = [
+    (mode, precision, optim, accum)
+    for mode in ("zero", "fsdp")
+    for precision in ("fp32", "bf16", "fp16")
+    for optim, accum in (("adamw", 2), ("sgd", 1))
+]
+
+
+def _all_cases(env, root: str, cases: list) -> dict:
+    out = {}
+    for case in cases:
+        directory = Path(root) / "-".join(map(str, case))
+        out[case] = [_train(env, *case, off, directory) for off in (None, "disk")]
+    return out
+
+
+# P = 2 runs every case; P = 1 and 4 the AdamW ones (accumulation, both precisions' paths)
+WORLD_CASES = [(w, c) for w in (1, 2, 4) for c in CASES if w == 2 or c[2] == "adamw"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """world size -> every rank's results of its cases, one group per world size."""
+    cache: dict[int, list] = {}
+
+    def of(world: int) -> list:
+        if world not in cache:
+            root = tmp_path_factory.mktemp(f"offload{world}")
+            cases = [c for w, c in WORLD_CASES if w == world]
+            cache[world] = run_distributed(_all_cases, world, str(root), cases, timeout=600)
+        return cache[world]
+
+    return of
+
+
+def _case_id(wc) -> str:
+    return f"P{wc[0]}-" + "-".join(map(str, wc[1]))
+
+
+@pytest.mark.parametrize("world_case", WORLD_CASES, ids=_case_id)
+def test_offload_disk_is_bitwise_offload_null(runs, world_case):
+    world, case = world_case
+    for rank, got in enumerate(runs(world)):
+        plain, offloaded = got[case]
+        assert plain["state"].keys() == offloaded["state"].keys()
+        for k, v in plain["state"].items():
+            assert torch.equal(v, offloaded["state"][k]), f"P={world} rank {rank}: {k} differs"
+
+
+@pytest.mark.parametrize("world_case", WORLD_CASES, ids=_case_id)
+def test_offloaded_state_is_out_of_memory_between_steps(runs, world_case):
+    world, case = world_case
+    mode, precision = case[0], case[1]
+    for got in runs(world):
+        plain, offloaded = got[case]
+        # Live storages: the optimizer's state and (zero in bf16/fp16) the masters
+        assert all(opt > 0 for opt, _ in plain["after"])
+        assert all(opt == 0 for opt, _ in offloaded["after"])
+        masters_move = mode == "zero" and precision != "fp32"
+        if masters_move:
+            assert all(m > 0 for _, m in plain["after"])
+            assert all(m == 0 for _, m in offloaded["after"])
+        # While a step runs: at most three buffers' state (the one written behind, the
+        # one stepping, the one read ahead), never the whole state
+        assert max(offloaded["in_step"]) <= 3 * offloaded["largest"]
+        assert max(offloaded["in_step"]) < max(plain["in_step"])
+        assert not offloaded["file_left"]
+
+
+# -- checkpoints: saved with offload, resumed without, and the other way round ------------------
+
+
+def _checkpoint_cases(env, root: str) -> dict:
+    out = {}
+    for mode, precision in (("zero", "bf16"), ("fsdp", "fp32")):
+        case = (mode, precision, "adamw", 1)
+        whole = _train(env, *case, None, Path(root) / "ref")
+        for saved_with, resumed_with in (("disk", None), (None, "disk")):
+            tag = f"{mode}-{saved_with}-{resumed_with}"
+            ckpt = Path(root) / tag / "ckpt"
+            _train(env, *case, saved_with, Path(root) / tag, save=(ckpt, 1))
+            resumed = _train(env, *case, resumed_with, Path(root) / tag, resume=ckpt)
+            out[tag] = (whole["state"], resumed["state"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("offload_ckpt")
+    return run_distributed(_checkpoint_cases, 2, str(root), timeout=600)
+
+
+@pytest.mark.parametrize(
+    "tag", ["zero-disk-None", "zero-None-disk", "fsdp-disk-None", "fsdp-None-disk"]
+)
+def test_a_checkpoint_resumes_bitwise_across_offload_settings(resumed, tag):
+    for rank, got in enumerate(resumed):
+        whole, again = got[tag]
+        for k, v in whole.items():
+            assert torch.equal(v, again[k]), f"rank {rank}: {k} differs after {tag}"
+
+
+# -- the command line: a run with offload, its figures, its checkpoint, its file -----------------
+
+
+def test_a_run_with_offload_logs_its_disk_and_leaves_no_file(tmp_path):
+    from test_cli import run_cli, scalars
+
+    run_dir = tmp_path / "run"
+    args = [
+        "mode=zero", "mode.offload=disk", "precision=bf16", "model.hidden=16", "model.depth=2",
+        "train.batch_size=16", "train.steps=4", "train.log_every=2", "ckpt.every=2",
+        f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    proc = run_cli(args, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tags = scalars(run_dir)
+    assert tags["memory/disk_MiB/max"][-1] > 0
+    assert tags["memory/expected/disk_MiB"][-1] <= tags["memory/disk_MiB/max"][-1]
+    # after a step the optimizer's state in memory is its step counters (4 bytes a piece),
+    # a few dozen bytes beside the moments' kilobytes in the file
+    assert tags["memory/optimizer_MiB/max"][-1] < tags["memory/expected/disk_MiB"][-1] / 100
+    assert all(v >= 0 for v in tags["offload/wait_ms_per_step/max"])
+    assert (run_dir / "offload").is_dir() and not list((run_dir / "offload").iterdir())
+    # the checkpoint resumes without offload, and continues as the run did
+    again = run_cli([*args[:1], *args[3:], "resume=auto", "train.steps=6"], nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "at step 4" in again.stdout
