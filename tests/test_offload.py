@@ -29,9 +29,13 @@ def test_regions_round_trip_bit_for_bit(tmp_path, dtype):
     f = OffloadFile(tmp_path / "rank0.offload", 3 * 4096)
     try:
         values = torch.randn(1000).to(dtype)
-        f.write_async([(values, 4096)]).result()
+        f.write(values, 4096)  # a page-aligned region, a whole number of pages
         back = torch.empty_like(values)
-        f.read_async([(back, 4096)]).result()
+        f.read(back, 4096)
+        assert f.direct  # past the page cache ([Note: the offload file])
+        part = torch.empty(10, dtype=dtype)  # any bytes of it, as a checkpoint reads them
+        f.read(part, 4096 + 20 * values.element_size())
+        assert torch.equal(part.view(torch.uint8), values[20:30].view(torch.uint8))
         assert torch.equal(back.view(torch.uint8), values.view(torch.uint8))
         assert os.stat(f.path).st_size == 3 * 4096  # reserved in full at start
     finally:
@@ -62,13 +66,13 @@ def test_a_file_left_by_a_killed_run_is_replaced_not_grown(tmp_path):
 def test_a_truncated_file_is_an_error_naming_it(tmp_path):
     f = OffloadFile(tmp_path / "rank0.offload", 2 * 4096)
     try:
-        f.write_async([(torch.ones(1024), 4096)]).result()
+        f.write(torch.ones(1024), 4096)
         os.truncate(f.path, 4096 + 100)
         with pytest.raises(StorageError, match="truncated") as e:
             f.check()
         assert str(f.path) in str(e.value)
         with pytest.raises(StorageError, match="ends at byte 4196") as e:
-            f.read_async([(torch.empty(1024), 4096)]).result()
+            f.read(torch.empty(1024), 4096)
         assert str(f.path) in str(e.value) and "\n" not in str(e.value)
     finally:
         f.close()
@@ -97,8 +101,8 @@ def test_a_failed_write_behind_surfaces_at_its_wait(tmp_path, monkeypatch):
 
     try:
         monkeypatch.setattr(os, "pwrite", eio)
-        pending = f.write_async([(torch.ones(8), 0)])
-        with pytest.raises(StorageError, match=r"write of bytes \[0, 32\).*EIO"):
+        pending = f.write_async([(0, 4096, [(torch.ones(8), 0)])])
+        with pytest.raises(StorageError, match=r"write of bytes \[0, 4096\).*EIO"):
             pending.result()
     finally:
         monkeypatch.undo()
@@ -196,11 +200,17 @@ def _train(env, mode, precision, optim, accum, offload, directory, save=None, re
         after.append((resident("optimizer"), resident("master")))
         if save is not None and step == save[1]:
             checkpoint.save(save[0], step, engine, scheduler=schedule)
-    largest = 0
+    largest, estimated, measured = 0, None, None
     if engine.offload is not None:  # one buffer's state, as the file lays it out
-        regions = engine.offload.regions
         largest = max(len(engine.offload.keys) * b.shard_numel * 4 for b in engine.offload.buffers)
-        assert regions
+        estimated = _estimate(mode, precision, optim, env.world_size)
+        per_element = [
+            v.numel() * v.element_size()
+            for st in engine.optimizer.state.values()
+            for k, v in st.items()
+            if k != "step" and torch.is_tensor(v)
+        ]
+        measured = {"file_bytes": engine.offload.nbytes, "optimizer_in_file": sum(per_element)}
     state = engine.full_state_dict()
     path = engine.offload.file.path if engine.offload is not None else None
     engine.close()
@@ -209,8 +219,23 @@ def _train(env, mode, precision, optim, accum, offload, directory, save=None, re
         "after": after,
         "in_step": in_step,
         "largest": largest,
+        "estimated": estimated,
+        "measured": measured,
         "file_left": path is not None and path.exists(),
     }
+
+
+def _estimate(mode: str, precision: str, optim: str, world: int) -> dict:
+    """What the estimator (trainer/estimate/layout.py) says of this rank 0's offload."""
+    from trainer.estimate import layout
+    from trainer.parallel.precision import Precision
+
+    with torch.device("meta"):
+        model = _model()
+    options = {"bucket_mb": 0.002}
+    plan = layout.plan(mode, model, options, _no_decay, world)
+    opt = layout.optimizer_state(_optimizer(optim))
+    return layout.offload(plan, Precision.of(precision), opt)
 
 
 class _nothing:
@@ -288,6 +313,15 @@ def test_offloaded_state_is_out_of_memory_between_steps(runs, world_case):
         assert max(offloaded["in_step"]) <= 3 * offloaded["largest"]
         assert max(offloaded["in_step"]) < max(plain["in_step"])
         assert not offloaded["file_left"]
+
+
+@pytest.mark.parametrize("world_case", WORLD_CASES, ids=_case_id)
+def test_the_estimate_of_the_offload_file_is_exact(runs, world_case):
+    world, case = world_case
+    got = runs(world)[0][case][1]  # rank 0, offloaded: the rank the estimate describes
+    est, measured = got["estimated"], got["measured"]
+    assert est["file_bytes"] == measured["file_bytes"]
+    assert est["optimizer_in_file_bytes"] == measured["optimizer_in_file"]
 
 
 # -- checkpoints: saved with offload, resumed without, and the other way round ------------------

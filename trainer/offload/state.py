@@ -85,15 +85,18 @@ class OffloadedState:
             )
         self.optimizer, self.buffers, self.move_masters = optimizer, list(buffers), move_masters
         self.keys = per_element_keys(optimizer)
-        # Regions: per buffer, one per kind of tensor, laid out like its master (S,)
+        # Regions: per buffer, one per kind of tensor, laid out like its master (S,),
+        # each page-aligned and a whole number of pages ([Note: the offload file])
         self.regions: list[dict[str, int]] = []
+        self.region_bytes: list[int] = []
         end = 0
         for b in self.buffers:
+            size = aligned(b.shard_numel * b.master.element_size())
             region = {}
             for kind in (["master"] if move_masters else []) + self.keys:
-                region[kind] = end
-                end = aligned(end + b.shard_numel * b.master.element_size())
+                region[kind], end = end, end + size
             self.regions.append(region)
+            self.region_bytes.append(size)
         self.file = OffloadFile(path, end)
         # the last step's figures: seconds waited for the file, in all, bytes moved
         self.last_step = {"wait_s": 0.0, "step_s": 0.0, "bytes": 0}
@@ -109,22 +112,26 @@ class OffloadedState:
     # -- where each tensor is ---------------------------------------------------------------
     def _held(
         self, i: int, state: dict[Any, dict[str, Any]] | None = None, masters_only: bool = False
-    ) -> list[tuple[torch.Tensor, int]]:
-        """(tensor, offset in the file) of everything buffer i moves: its master, and its
-        pieces' per-element state (from `state`, by default the optimizer's)."""
+    ) -> list[tuple[int, list[tuple[torch.Tensor, int]]]]:
+        """Buffer i's regions as (offset in the file, [(tensor, its first byte in the
+        region)]): its master's, and one per kind of its pieces' per-element state (from
+        `state`, by default the optimizer's)."""
         b, region = self.buffers[i], self.regions[i]
         state = self.optimizer.state if state is None else state
-        held = [(b.master, region["master"])] if self.move_masters else []
+        held = [(region["master"], [(b.master, 0)])] if self.move_masters else []
         if masters_only:
             return held
         size = b.master.element_size()
-        for piece in b.pieces:
-            for k in self.keys:
+        for k in self.keys:
+            parts = []
+            for piece in b.pieces:
                 v = state.get(piece.tensor, {}).get(k)
                 if torch.is_tensor(v) and v.numel():
                     if v.storage_offset() or not v.is_contiguous():
                         raise AssertionError(f"offload: {piece.name}'s {k} is not its own tensor")
-                    held.append((v, region[k] + piece.start * size))
+                    parts.append((v, piece.start * size))
+            if parts:
+                held.append((region[k], parts))
         return held
 
     @staticmethod
@@ -134,21 +141,30 @@ class OffloadedState:
     def _fetch(self, i: int, masters_only: bool = False) -> Future:
         """Start reading buffer i's state back into its tensors (allocated here)."""
         jobs = []
-        for t, offset in self._held(i, masters_only=masters_only):
-            if not self._resident(t):
+        for offset, parts in self._held(i, masters_only=masters_only):
+            away = [(t, r) for t, r in parts if not self._resident(t)]
+            for t, _ in away:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
-                jobs.append((t, offset))
-                self._moved += t.numel() * t.element_size()
+            if away:
+                jobs.append((offset, self.region_bytes[i], away))
+                self._moved += self.region_bytes[i]
         return self.file.read_async(jobs)
 
     def _evict(
         self, i: int, state: dict | None = None, masters_only: bool = False
     ) -> tuple[Future, list[torch.Tensor]]:
-        """Start writing buffer i's state out; `_wait_written` frees it."""
-        held = self._held(i, state, masters_only)
-        jobs = [(t, o) for t, o in held if self._resident(t)]
-        self._moved += sum(t.numel() * t.element_size() for t, _ in jobs)
-        return self.file.write_async(jobs), [t for t, _ in jobs]
+        """Start writing buffer i's state out, whole regions; `_wait_written` frees it."""
+        jobs, tensors = [], []
+        for offset, parts in self._held(i, state, masters_only):
+            here = [t for t, _ in parts if self._resident(t)]
+            if not here:
+                continue
+            if len(here) != len(parts):  # the region is written whole: all or nothing
+                raise AssertionError(f"offload: buffer {i}'s region at {offset} is half in memory")
+            jobs.append((offset, self.region_bytes[i], parts))
+            tensors += here
+            self._moved += self.region_bytes[i]
+        return self.file.write_async(jobs), tensors
 
     @staticmethod
     def _wait_written(writing: tuple[Future, list[torch.Tensor]] | None) -> None:
@@ -217,9 +233,10 @@ class OffloadedState:
         """id of each tensor now in the file -> where: what a save streams from the file
         instead of memory ([Note: streamed checkpoint files] in checkpoint/stream.py)."""
         return {
-            id(t): OnDisk(self.file, o, t.numel(), t.dtype)
+            id(t): OnDisk(self.file, offset + r, t.numel(), t.dtype)
             for i in range(len(self.buffers))
-            for t, o in self._held(i)
+            for offset, parts in self._held(i)
+            for t, r in parts
             if not self._resident(t)
         }
 
