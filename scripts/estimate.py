@@ -57,6 +57,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (0.4)")
     parser.add_argument(
+        "--disk-read-gbps",
+        type=float,
+        default=2.0,
+        help="mode.offload=disk: GB/s one rank reads from its offload file's disk (2)",
+    )
+    parser.add_argument(
+        "--disk-write-gbps",
+        type=float,
+        default=2.0,
+        help="mode.offload=disk: GB/s one rank writes to it (2)",
+    )
+    parser.add_argument(
         "--peak-tflops",
         type=float,
         help="peak TFLOP/s of one device in the compute dtype (H100 SXM: 989 bf16, 67 fp32)",
@@ -81,7 +93,8 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     for name in ("world_size", "ranks_per_node"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
-    for name in ("device_gb", "intra_gbps", "inter_gbps", "peak_tflops"):
+    for name in ("device_gb", "intra_gbps", "inter_gbps", "peak_tflops", "disk_read_gbps",
+                 "disk_write_gbps"):  # fmt: skip
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be > 0")
@@ -90,13 +103,13 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     return Cluster(
         args.world_size, args.ranks_per_node, args.intra_gbps * 1e9, args.inter_gbps * 1e9,
-        peak, args.mfu,
+        peak, args.mfu, args.disk_read_gbps * 1e9, args.disk_write_gbps * 1e9,
     )  # fmt: skip
 
 
 def _header(args: argparse.Namespace, cluster: Cluster, cfgs: dict, result: dict) -> list[str]:
     cfg = next(iter(cfgs.values()))
-    fig = next(iter(result.values()))
+    fig = next(f for f in result.values() if "refused" not in f)
     what = f"{fig['params']:,} parameters"
     if "micro_batch" in fig:
         what = (
@@ -107,13 +120,18 @@ def _header(args: argparse.Namespace, cluster: Cluster, cfgs: dict, result: dict
     dtypes = f"precision {cfg.precision}, reduce {cfg.mode.get('reduce_dtype', 'fp32')}"
     if cfg.mode.get("gather_dtype"):  # int8 AllGathers (docs/quantized.md)
         dtypes += f", gather {cfg.mode.gather_dtype}"
+    if cfg.mode.get("offload"):  # docs/offload.md
+        dtypes += f"; mode.offload={cfg.mode.offload}"
     nodes = -(-args.world_size // args.ranks_per_node)
     peak = peak_flops(cluster, Precision.of(cfg.precision)) / 1e12
+    disk = ""
+    if cfg.mode.get("offload"):
+        disk = f"; disk {args.disk_read_gbps:g} GB/s read, {args.disk_write_gbps:g} GB/s write"
     return [
         f"model: {what}; {dtypes}",
         f"cluster: {args.world_size} ranks on {nodes} node(s) of {args.ranks_per_node}; "
         f"{args.intra_gbps:g} GB/s in node, {args.inter_gbps:g} GB/s across; "
-        f"{peak:g} TFLOP/s peak x MFU {args.mfu:g}",
+        f"{peak:g} TFLOP/s peak x MFU {args.mfu:g}{disk}",
     ]
 
 

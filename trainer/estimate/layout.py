@@ -32,6 +32,7 @@ from torch import nn
 from trainer.comm import quantized
 from trainer.errors import ConfigError
 from trainer.observe.memory import bytes_per_element, optimizer_bytes_per_param
+from trainer.offload.disk import aligned
 from trainer.parallel import ENGINES, experts, pieces
 from trainer.parallel.broadcast import BROADCAST_PACK_BYTES
 from trainer.parallel.engine import OptimizerFactory, ParamGroupFn
@@ -417,3 +418,41 @@ def build_peak(
         "ordinary": max(model + broadcast, held + unit_at_a_time),
         "meta": None if bare else shards + buffer_bytes + max(largest_module_bytes, gathered),
     }
+
+
+def offload(p: Plan, precision: Precision, opt: OptimizerState) -> dict[str, int]:
+    """mode.offload=disk ([Note: offloaded state] in trainer/offload/state.py): bytes of
+    this rank's offload file (per flat buffer one page-aligned region per per-element
+    optimizer tensor, and for zero's separate masters one more; to the byte what the
+    engine reserves), the bytes moved out of memory after a step (the optimizer's
+    per-element state, and the masters where they move), the bytes read and written
+    back each step (every stepped piece's state and the moved masters, both ways), and
+    the state a step holds at most (three buffers': written behind, stepping, read ahead)."""
+    keys = round(opt.per_element / 4)  # fp32 tensors: AdamW 2, SGD with momentum 1
+    moves_master = p.mode == "zero" and precision.mixed and not precision.gather_int8
+    regions = keys + (1 if moves_master else 0)
+    file = states = masters = 0
+    per_buffer = []
+    for f in p.flat_buffers:
+        s = f.layout.shard_size(p.shard_of(f))
+        file += regions * aligned(s * 4)
+        stepped = int(_piece_elements(p, f) * opt.per_element)  # counters stay in memory
+        master = s * 4 if moves_master else 0
+        states, masters = states + stepped, masters + master
+        per_buffer.append(stepped + master)
+    return {
+        "file_bytes": file,
+        "optimizer_in_file_bytes": states,
+        "master_in_file_bytes": masters,
+        "io_bytes_per_step": 2 * (states + masters),
+        "stepping_bytes": sum(sorted(per_buffer, reverse=True)[:3]),
+        "moves_master": moves_master,
+    }
+
+
+def _piece_elements(p: Plan, f: Flat) -> int:
+    """Elements of the pieces rank 0 steps of sharded buffer `f` (padding is in none)."""
+    s = f.layout.shard_size(p.shard_of(f))
+    shard = torch.empty(s, device="meta")
+    cut = pieces.cut(f.names, range(len(f.names)), f.layout, shard, p.group_rank(f, 0))
+    return sum(c.end - c.start for c in cut)

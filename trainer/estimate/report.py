@@ -14,7 +14,10 @@ def to_json(result: dict[str, dict[str, Any]]) -> str:
 
 def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
     """One row per mode (and one per mode with activation checkpointing switched, when
-    the model has the option): memory per rank, bytes sent per rank and step, seconds."""
+    the model has the option): memory per rank, bytes sent per rank and step, seconds.
+    A mode that refuses the configuration gets a line saying why."""
+    refused = {m: f["refused"] for m, f in result.items() if "refused" in f}
+    result = {m: f for m, f in result.items() if m not in refused}
     figs = list(result.values())
     full = "activation_bytes" in figs[0]
     mem_name, mem = _unit(max(_largest(f) for f in figs))
@@ -70,6 +73,24 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
                 f"{net_name} sent per rank and step (not in the sent columns"
                 f"{'; in step s' if full else ''})"
             )
+    for mode, f in result.items():  # mode.offload=disk ([Note: offloaded state])
+        o = f.get("offload")
+        if o:
+            name, size = _unit(max(o["file_bytes"], o["io_bytes_per_step"]))
+            moved = (
+                "the optimizer state and the fp32 masters"
+                if o["moves_master"]
+                else ("the optimizer state")
+            )
+            lines.append(
+                f"{mode}: offload=disk keeps {moved} in a {o['file_bytes'] / size:.2f} {name} "
+                f"file per rank (not in the memory columns; a step holds up to "
+                f"{o['stepping_bytes'] / size:.2f} {name} of it, in working); each step reads "
+                f"and writes {o['io_bytes_per_step'] / size:.2f} {name}: {o['io_s']:.3g} s"
+                f"{', in step s' if full else ''}"
+            )
+    for mode, why in refused.items():
+        lines.append(f"{mode}: refused: {why}")
     if any("alternative" in f for f in figs):
         lines.append("+ckpt / -ckpt: the same with model.activation_checkpointing switched")
     if all("checkpoint_save_bytes" in f for f in figs):

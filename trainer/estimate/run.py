@@ -93,7 +93,20 @@ def estimate(
                 plan.again_backward = calls.gathered_again_in_backward(forward, plan.units, gathers)
         # a token's forward multiplies by these: an MoE's top-k experts, not all of them
         flop_params = plan.psi if model is None else experts.active_params(model, plan.psi)
+        if cfg.mode.get("offload") is not None and mode == "ddp":  # as build_engine refuses
+            out[mode] = {"refused": "mode.offload: ddp replicates every state (use zero, fsdp)"}
+            continue
         state = layout.max_model_state(plan, precision, opt, world)
+        offload = None
+        if cfg.mode.get("offload") == "disk":  # [Note: offloaded state]: out of memory
+            offload = layout.offload(plan, precision, opt)
+            state = {
+                **state,
+                "optimizer": state["optimizer"] - offload["optimizer_in_file_bytes"],
+                "master": state["master"] - offload["master_in_file_bytes"],
+            }
+            read_s = offload["io_bytes_per_step"] / 2 / cluster.disk_read_Bps
+            offload["io_s"] = read_s + offload["io_bytes_per_step"] / 2 / cluster.disk_write_Bps
         sent = collectives(plan, precision, world, k, buffers)
         fig: dict[str, Any] = {
             "params": plan.psi,
@@ -107,6 +120,8 @@ def estimate(
         }
         if mode != "ddp":
             fig["shard_group_size"] = s
+        if offload is not None:
+            fig["offload"] = offload
         if model is not None and experts.moe_shape(model) is not None:
             fig["experts"] = _experts(cfg, model, mode, world, precision)
         # a save's extra host memory per rank: the staging buffer, and with ckpt.async a
@@ -116,12 +131,14 @@ def estimate(
         fig["checkpoint_save_bytes"] = {"sync": staging, "async": staging + data}
         # [Note: the build peak] in layout.py: to the first step, ordinary and meta build
         fig["build_peak_bytes"] = layout.build_peak(plan, precision, world, *built)
+        # with offload a step holds up to three buffers' state beside the rest
+        stepping = offload["stepping_bytes"] if offload is not None else 0
         if passes is None:  # model states only
             fig["fits"] = fig["model_state_bytes_per_rank"] <= device_bytes
             if model is not None:  # an MoE: no activations, but the mode's buffers
-                fig["working_set_bytes"] = layout.working_set(plan, precision, k)
+                fig["working_set_bytes"] = layout.working_set(plan, precision, k) + stepping
         else:
-            fig["working_set_bytes"] = layout.working_set(plan, precision, k)
+            fig["working_set_bytes"] = layout.working_set(plan, precision, k) + stepping
             fig["micro_batch"], fig["grad_accum_steps"] = micro, k
             timing = Cluster(**{**cluster.__dict__, "peak_flops": peak_flops(cluster, precision)})
             for ac, (one, two) in passes.items():
@@ -132,6 +149,8 @@ def estimate(
                         plan, sent + dispatch, timing, one.predictions, k, bool(ac), flop_params
                     )
                 )
+                if offload is not None:  # the file's I/O after backward, not overlapped
+                    fits["step_s"] += offload["io_s"]
                 if ac is None or ac == bool(first.model.activation_checkpointing):
                     fig["activation_checkpointing"] = ac
                     fig.update(fits)

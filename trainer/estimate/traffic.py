@@ -26,6 +26,9 @@ class Cluster:
     inter_Bps: float  # bytes/s a rank sends to another node
     peak_flops: float  # one device's peak for the compute dtype
     mfu: float  # fraction of the peak the model FLOPs reach
+    # mode.offload=disk: bytes/s a rank reads from and writes to its offload file's disk
+    disk_read_Bps: float = 2e9
+    disk_write_Bps: float = 2e9
 
 
 @dataclass
