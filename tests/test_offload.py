@@ -137,13 +137,31 @@ def test_what_offload_cannot_do_is_refused_in_one_line(tmp_path, mode, offload, 
 STEPS = 3
 
 
-def _model() -> torch.nn.Module:
-    # repeated Linears: several fsdp units; a LayerNorm; zero cuts it into several buckets
+def _model(variant: str = "mlp") -> torch.nn.Module:
     torch.manual_seed(0)
+    if variant == "moe":  # experts spread over 2 ranks (expert parallelism)
+        from trainer.models.builtin import GPTMoE
+
+        return GPTMoE(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, n_experts=4,
+                      top_k=2)  # fmt: skip
+    # repeated Linears: several fsdp units; a LayerNorm; zero cuts it into several buckets
     nn = torch.nn
     return nn.Sequential(
         nn.Linear(12, 24), nn.LayerNorm(24), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 6)
     )
+
+
+# what each variant adds to the engine's options
+VARIANTS = {"mlp": {}, "hybrid": {"shard_group_size": 2}, "moe": {"expert_parallel": 2}}
+
+
+def _loss(engine, variant: str, g: torch.Generator, accum: int) -> torch.Tensor:
+    if variant == "moe":
+        tokens = torch.randint(0, 16, (2, 9), generator=g)
+        logits = engine(tokens[:, :-1]).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    x, y = torch.randn(4, 12, generator=g), torch.randn(4, 6, generator=g)
+    return (engine(x).float() - y).square().mean() / accum
 
 
 def _optimizer(name: str):
@@ -157,7 +175,7 @@ def _no_decay(name: str, p: torch.nn.Parameter) -> dict:
     return {"weight_decay": 0.0} if p.dim() == 1 else {}  # two param groups
 
 
-def _train(env, mode, precision, optim, accum, offload, directory, save=None, resume=None):
+def _train(env, mode, precision, optim, accum, variant, offload, directory, save=None, resume=None):
     """STEPS steps (accumulation, clipping, an lr schedule) of `mode`; returns the whole
     final state, the resident optimizer (and master) bytes after each step, the largest
     resident while a step ran and the largest buffer's state."""
@@ -165,8 +183,8 @@ def _train(env, mode, precision, optim, accum, offload, directory, save=None, re
     from trainer.parallel import build_engine
 
     engine = build_engine(
-        _model(), mode, _optimizer(optim), precision=precision, param_options=_no_decay,
-        bucket_mb=0.002, offload=offload, offload_dir=directory,
+        _model(variant), mode, _optimizer(optim), precision=precision, param_options=_no_decay,
+        bucket_mb=0.002, offload=offload, offload_dir=directory, **VARIANTS[variant],
     )  # fmt: skip
     from trainer.run.optim import lr_scheduler
 
@@ -178,6 +196,7 @@ def _train(env, mode, precision, optim, accum, offload, directory, save=None, re
         tensors = engine.state_tensors().get(kind, [])
         return sum(t.untyped_storage().nbytes() for t in tensors if t.dim() > 0)
 
+    saved = None  # the whole state at the save, or as loaded when nothing was left to train
     in_step: list[int] = []  # before each call of the optimizer's step: one per buffer
     engine.optimizer.register_step_pre_hook(lambda *a: in_step.append(resident("optimizer")))
     start = 0
@@ -191,19 +210,21 @@ def _train(env, mode, precision, optim, accum, offload, directory, save=None, re
     for step in range(start + 1, STEPS + 1):
         g = torch.Generator().manual_seed(100 * step + env.rank)
         for micro in range(accum):
-            x, y = torch.randn(4, 12, generator=g), torch.randn(4, 6, generator=g)
             with engine.no_sync() if micro < accum - 1 else _nothing():
-                loss = (engine(x).float() - y).square().mean() / accum
-                engine.backward(loss)
+                engine.backward(_loss(engine, variant, g, accum))
         engine.clip_grad_norm_(0.5)
         schedule.step(engine.step())
         after.append((resident("optimizer"), resident("master")))
         if save is not None and step == save[1]:
             checkpoint.save(save[0], step, engine, scheduler=schedule)
+            saved = engine.full_state_dict()
+    if start and not after:  # resumed at the last step: what was loaded
+        saved = engine.full_state_dict()
     largest, estimated, measured = 0, None, None
     if engine.offload is not None:  # one buffer's state, as the file lays it out
         largest = max(len(engine.offload.keys) * b.shard_numel * 4 for b in engine.offload.buffers)
-        estimated = _estimate(mode, precision, optim, env.world_size)
+        if variant == "mlp":
+            estimated = _estimate(mode, precision, optim, env.world_size)
         per_element = [
             v.numel() * v.element_size()
             for st in engine.optimizer.state.values()
@@ -216,6 +237,7 @@ def _train(env, mode, precision, optim, accum, offload, directory, save=None, re
     engine.close()
     return {
         "state": state,
+        "saved": saved,
         "after": after,
         "in_step": in_step,
         "largest": largest,
@@ -247,11 +269,14 @@ class _nothing:
 
 
 CASES = [
-    (mode, precision, optim, accum)
+    (mode, precision, optim, accum, "mlp")
     for mode in ("zero", "fsdp")
     for precision in ("fp32", "bf16", "fp16")
     for optim, accum in (("adamw", 2), ("sgd", 1))
 ]
+# hybrid sharding (2 shard groups of 2) at P = 4; experts over 2 ranks at P = 2
+MORE = [(m, p, "adamw", 1, v) for v in ("hybrid", "moe") for m, p in (("zero", "bf16"),
+        ("fsdp", "fp32"))]  # fmt: skip
 
 
 def _all_cases(env, root: str, cases: list) -> dict:
@@ -264,6 +289,7 @@ def _all_cases(env, root: str, cases: list) -> dict:
 
 # P = 2 runs every case; P = 1 and 4 the AdamW ones (accumulation, both precisions' paths)
 WORLD_CASES = [(w, c) for w in (1, 2, 4) for c in CASES if w == 2 or c[2] == "adamw"]
+WORLD_CASES += [(4 if c[4] == "hybrid" else 2, c) for c in MORE]
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +341,10 @@ def test_offloaded_state_is_out_of_memory_between_steps(runs, world_case):
         assert not offloaded["file_left"]
 
 
-@pytest.mark.parametrize("world_case", WORLD_CASES, ids=_case_id)
+# (the plans of MoE and hybrid runs are tests/test_estimate.py's)
+@pytest.mark.parametrize(
+    "world_case", [wc for wc in WORLD_CASES if wc[1][4] == "mlp"], ids=_case_id
+)
 def test_the_estimate_of_the_offload_file_is_exact(runs, world_case):
     world, case = world_case
     got = runs(world)[0][case][1]  # rank 0, offloaded: the rank the estimate describes
@@ -328,33 +357,62 @@ def test_the_estimate_of_the_offload_file_is_exact(runs, world_case):
 
 
 def _checkpoint_cases(env, root: str) -> dict:
+    from trainer import comm
+
     out = {}
     for mode, precision in (("zero", "bf16"), ("fsdp", "fp32")):
-        case = (mode, precision, "adamw", 1)
+        case = (mode, precision, "adamw", 1, "mlp")
         whole = _train(env, *case, None, Path(root) / "ref")
         for saved_with, resumed_with in (("disk", None), (None, "disk")):
             tag = f"{mode}-{saved_with}-{resumed_with}"
             ckpt = Path(root) / tag / "ckpt"
             _train(env, *case, saved_with, Path(root) / tag, save=(ckpt, 1))
+            if env.rank == 0:  # for the re-cut, unclaimed
+                shutil.copytree(ckpt, Path(root) / f"{tag}-kept")
+            comm.barrier().wait()
             resumed = _train(env, *case, resumed_with, Path(root) / tag, resume=ckpt)
             out[tag] = (whole["state"], resumed["state"])
+    return out
+
+
+def _recut_cases(env, root: str) -> dict:
+    """The P = 2 checkpoints re-cut into one rank, with and without offload: what is
+    loaded, and two more steps from there."""
+    out = {}
+    for mode, precision in (("zero", "bf16"), ("fsdp", "fp32")):
+        case = (mode, precision, "adamw", 1, "mlp")
+        runs = []
+        for off in (None, "disk"):  # each its own copy: a resume claims its checkpoint
+            ckpt = Path(root) / f"recut-{mode}-{off}"
+            shutil.copytree(Path(root) / f"{mode}-disk-None-kept", ckpt)
+            runs.append(_train(env, *case, off, Path(root) / "recut", resume=ckpt)["state"])
+        out[mode] = runs
     return out
 
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("offload_ckpt")
-    return run_distributed(_checkpoint_cases, 2, str(root), timeout=600)
+    two = run_distributed(_checkpoint_cases, 2, str(root), timeout=600)
+    one = run_distributed(_recut_cases, 1, str(root), timeout=600)
+    return two, one
 
 
 @pytest.mark.parametrize(
     "tag", ["zero-disk-None", "zero-None-disk", "fsdp-disk-None", "fsdp-None-disk"]
 )
 def test_a_checkpoint_resumes_bitwise_across_offload_settings(resumed, tag):
-    for rank, got in enumerate(resumed):
+    for rank, got in enumerate(resumed[0]):
         whole, again = got[tag]
         for k, v in whole.items():
             assert torch.equal(v, again[k]), f"rank {rank}: {k} differs after {tag}"
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_a_checkpoint_saved_with_offload_recuts_into_one_rank_with_or_without(resumed, mode):
+    plain, offloaded = resumed[1][0][mode]
+    for k, v in plain.items():  # the same values and moments loaded, the same two steps
+        assert torch.equal(v, offloaded[k]), f"{mode}: {k} differs"
 
 
 # -- the command line: a run with offload, its figures, its checkpoint, its file -----------------

@@ -54,6 +54,10 @@ def _charts() -> dict[str, list[Chart]]:
             for kind, title in _KIND_NAMES.items()
         ),
         ("model state of each rank, MiB", [r"^per_rank/model_state_MiB/rank\d+$"]),
+        # mode.offload=disk (docs/offload.md): the file beside the memory, and its waits
+        ("offload file on disk per rank, MiB (max over ranks)", [r"^memory/disk_MiB/max$"]),
+        ("offload file per rank, MiB (formula)", [r"^memory/expected/disk_MiB$"]),
+        ("offload: the step waited for the file, ms", [r"^offload/wait_ms_per_step/max$"]),
     ]
     return {
         TRAINING: [

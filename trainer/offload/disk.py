@@ -42,7 +42,7 @@ import torch
 from trainer.errors import StorageError
 
 ALIGN = 4096  # what O_DIRECT asks of offsets, sizes and memory
-SLOT_BYTES = 32 * 2**20  # one staging slot per I/O thread
+SLOT_BYTES = 32 * 2**20  # one staging slot per I/O thread, at most
 
 # A region's tensors: (tensor, its first byte within the region), in byte order
 Parts = Sequence[tuple[torch.Tensor, int]]

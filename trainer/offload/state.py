@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.offload.disk import OffloadFile, OnDisk, aligned
+from trainer.offload.disk import ALIGN, SLOT_BYTES, OffloadFile, OnDisk, aligned
 
 
 def _waited(wait: Callable[..., Any], *args: Any) -> float:
@@ -97,7 +97,9 @@ class OffloadedState:
                 region[kind], end = end, end + size
             self.regions.append(region)
             self.region_bytes.append(size)
-        self.file = OffloadFile(path, end)
+        # staging slots no larger than a region: a small model's cost them little
+        slot = min(SLOT_BYTES, max(self.region_bytes, default=ALIGN))
+        self.file = OffloadFile(path, end, slot_bytes=slot)
         # the last step's figures: seconds waited for the file, in all, bytes moved
         self.last_step = {"wait_s": 0.0, "step_s": 0.0, "bytes": 0}
         self._moved = 0  # bytes read and written since the last step began
