@@ -38,6 +38,7 @@ except OSError:  # no C library to open by that name (not Linux)
     _libc = None
 _mallinfo2 = getattr(_libc, "mallinfo2", None)  # glibc >= 2.33
 _mallopt = getattr(_libc, "mallopt", None)
+_malloc_trim = getattr(_libc, "malloc_trim", None)
 if _mallopt is not None:
     _mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
 if _mallinfo2 is not None:
@@ -77,6 +78,15 @@ def keep_freed_pages() -> bool:
     return bool(
         _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and _mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+
+
+def release_free_pages() -> None:
+    """Give the heap's free pages back to the kernel now (glibc's malloc_trim, which also
+    releases free chunks inside the heap, not only at its top); nothing without glibc.
+    What an offloaded step frees is not needed again before the next step reads it back
+    ([Note: offloaded state] in trainer/offload/state.py)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def heap_bytes() -> int:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.observe import heap
 from trainer.offload.disk import ALIGN, SLOT_BYTES, OffloadFile, OnDisk, aligned
 
 
@@ -212,6 +213,7 @@ class OffloadedState:
             waited += _waited(self._wait_written, writing)
         finally:
             post_hooks.update(held_hooks)
+        heap.release_free_pages()  # the freed state's pages, not kept for the next step
         self.last_step = {
             "wait_s": waited,
             "step_s": time.perf_counter() - start,
