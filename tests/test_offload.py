@@ -353,6 +353,48 @@ def test_the_estimate_of_the_offload_file_is_exact(runs, world_case):
     assert est["optimizer_in_file_bytes"] == measured["optimizer_in_file"]
 
 
+def _file_goes_away(env, root: str) -> dict:
+    """One step with offload, then the file removed or truncated under the run: the next
+    step's error, and whether the parameters moved."""
+    from trainer.parallel import build_engine
+
+    out = {}
+    for damage in ("removed", "truncated"):
+        engine = build_engine(
+            _model(), "zero", _optimizer("adamw"), precision="bf16", bucket_mb=0.002,
+            offload="disk", offload_dir=Path(root) / damage,
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        engine.backward(_loss(engine, "mlp", g, 1))
+        engine.step()
+        engine.backward(_loss(engine, "mlp", g, 1))
+        before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        path = engine.offload.file.path
+        path.unlink() if damage == "removed" else os.truncate(path, 4096)
+        try:
+            engine.step()
+            error = None
+        except StorageError as e:
+            error = str(e)
+        after = engine.module.state_dict()
+        out[damage] = (error, str(path), all(torch.equal(v, after[k]) for k, v in before.items()))
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def lost(tmp_path_factory):
+    [got] = run_distributed(_file_goes_away, 1, str(tmp_path_factory.mktemp("lost")))
+    return got
+
+
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_an_offload_file_lost_mid_run_stops_the_step_in_one_line(lost, damage):
+    error, path, unchanged = lost[damage]
+    assert error is not None and damage in error and path in error and "\n" not in error
+    assert unchanged  # stopped before any buffer stepped
+
+
 # -- checkpoints: saved with offload, resumed without, and the other way round ------------------
 
 
