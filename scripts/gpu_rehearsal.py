@@ -381,7 +381,9 @@ CUDA_TEST = re.compile(
     r'is_cuda|_is_cuda\(|type == "cuda"|cuda\.is_initialized\(\)|cuda\.is_available\(\)|== "nccl"'
 )
 NO_CUDA = "not torch.cuda.is_available()"  # the refusal of nccl where CUDA is absent
-NOT_CUDA_TEST = re.compile(r'not _is_cuda\(|type != "cuda"|not torch\.cuda\.is_initialized\(\)')
+NOT_CUDA_TEST = re.compile(
+    r'not _is_cuda\(|not [\w.]+\.is_cuda\b|type != "cuda"|not torch\.cuda\.is_initialized\(\)'
+)
 # Functions that only CUDA calls (file, name)
 CUDA_FUNCTIONS = {
     ("comm/collectives.py", "_wait_cuda"),
