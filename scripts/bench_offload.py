@@ -348,7 +348,7 @@ def headline(args: argparse.Namespace) -> dict:
                     n_embd=args.embd)  # fmt: skip
     psi = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.layers} x {args.embd}: {psi:,} parameters, 16Psi = {16 * psi / 1e9:.1f} GB")
-    opt = lambda ps: torch.optim.AdamW(ps, lr=3e-4, fused=True)  # noqa: E731
+    opt = lambda ps: torch.optim.AdamW(ps, lr=args.lr, fused=True)  # noqa: E731
     start = time.perf_counter()
     engine = build_engine(model, "zero", opt, source=SeededInit(0),
                           offload="disk", offload_dir=Path(args.dir) / "offload")  # fmt: skip
@@ -417,6 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--batch", type=int, default=1)
     g.add_argument("--steps", type=int, default=4)
     g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--lr", type=float, default=1e-5)
     g.add_argument("--dir", default=str(ROOT / "runs"))
     for p in (h, g, sub.choices["memory"]):
         p.add_argument("--out", type=Path, dest="json_out")
