@@ -17,8 +17,12 @@ launcher starts are new processes, as they are for the user.
 What a child cannot inherit from a warm parent stays with a fresh interpreter: variables
 read when torch or Python start (ATEN_CPU_CAPABILITY, OMP_NUM_THREADS, ...) must be set
 before the server starts, so a command line with an environment of its own beyond
-WARM_ENV runs as a plain subprocess. Nothing here imports transformers: the trainer asks
-whether it is loaded (`_pretrained_class` in trainer/models/materialize.py).
+WARM_ENV runs as a plain subprocess, unless each such variable has the value the server
+started with (OMP_NUM_THREADS=1, which conftest.py sets for the whole session). Nothing
+here imports transformers: the trainer asks whether it is loaded (`_pretrained_class` in
+trainer/models/materialize.py). The same server runs the scripts of scripts/ (`python
+scripts/x.py ...`, in a working directory of the test's choice): each is `__main__` in its
+child as train.py is.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # variables the trainer reads while it runs, not at start: a child may take them
-WARM_ENV = frozenset({"SHARDTRAIN_FAULT", "PYTHONFAULTHANDLER"})
+# (SHARDTRAIN_FAULT*: trainer/checkpoint/faults.py reads them when a fault point is reached)
+WARM_ENV = frozenset({"SHARDTRAIN_FAULT", "SHARDTRAIN_FAULT_ONCE", "PYTHONFAULTHANDLER"})
 
 SERVER = r"""
 import atexit, faulthandler, json, os, runpy, sys, threading, traceback
 import hydra, omegaconf, torch  # what every run imports: once, here
 import torch.distributed.run  # torchrun's launcher
+import torch._dynamo  # what the first optimizer a process builds imports
 import trainer.run.cli, trainer.run.loop  # train.py's own imports and the loop's
 assert threading.active_count() == 1, threading.enumerate()  # fork needs one thread
 assert "transformers" not in sys.modules
@@ -107,12 +113,13 @@ class _Server:
             cwd=ROOT,
         )
         self.lock = threading.Lock()
+        self.start_env = dict(os.environ)  # what the server and each child started under
 
-    def run(self, argv: list[str], module: str | None, env: dict, timeout: float):
+    def run(self, argv: list[str], module: str | None, env: dict, cwd: Path, timeout: float):
         with tempfile.TemporaryDirectory() as tmp, self.lock:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             case = {
-                "argv": argv, "module": module, "cwd": str(ROOT), "env": env,
+                "argv": argv, "module": module, "cwd": str(cwd), "env": env,
                 "stdout": str(out), "stderr": str(err),
             }  # fmt: skip
             self.proc.stdin.write(json.dumps(case) + "\n")
@@ -134,16 +141,40 @@ class _Server:
 _server: _Server | None = None
 
 
-def run(launcher: list[str], args: list[str], env: dict[str, str], extra_env: dict, timeout: float):
-    """`launcher + args` (launcher: [python] or [python, -m, torch.distributed.run, ...]),
-    from the warm server when it can be ([Note: warm command lines]), else as a subprocess."""
+def run(
+    launcher: list[str],
+    args: list[str],
+    env: dict[str, str],
+    extra_env: dict,
+    timeout: float,
+    cwd: Path = ROOT,
+) -> subprocess.CompletedProcess:
+    """`launcher + args` (launcher: [python] or [python, -m, torch.distributed.run, ...];
+    args: train.py or a script, then its arguments) in `cwd`, from the warm server when it
+    can be ([Note: warm command lines]), else as a subprocess. `extra_env`: the variables
+    `env` sets beyond the test process's environment."""
     global _server
-    if any(k not in WARM_ENV for k in extra_env):
-        return subprocess.run(
-            launcher + args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
-        )
     if _server is None or _server.proc.poll() is not None:
+        _server = None
+    start = os.environ if _server is None else _server.start_env  # a new one: as it is now
+    if any(k not in WARM_ENV and start.get(k) != str(v) for k, v in extra_env.items()):
+        return subprocess.run(
+            launcher + args, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+        )
+    if _server is None:
         _server = _Server()
     module = launcher[2] if launcher[1:2] == ["-m"] else None
     argv = [module, *launcher[3:], *args] if module else args
-    return _server.run(argv, module, env, timeout)
+    return _server.run(argv, module, env, cwd, timeout)
+
+
+def command(
+    argv: list[str], extra_env: dict | None = None, timeout: float | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, cwd=cwd, env={**os.environ, **extra_env}, capture_output=True,
+    text=True, timeout=timeout)` for `argv` = [python, script, ...] or [python, -m, module,
+    ...], from the warm server when it can be ([Note: warm command lines])."""
+    assert argv[0] == sys.executable, argv  # the interpreter the server runs
+    extra = dict(extra_env or {})
+    split = 3 if argv[1:2] == ["-m"] else 1
+    return run(argv[:split], argv[split:], {**os.environ, **extra}, extra, timeout, cwd)
