@@ -21,8 +21,11 @@ WARM_ENV runs as a plain subprocess, unless each such variable has the value the
 started with (OMP_NUM_THREADS=1, which conftest.py sets for the whole session). Nothing
 here imports transformers: the trainer asks whether it is loaded (`_pretrained_class` in
 trainer/models/materialize.py). The same server runs the scripts of scripts/ (`python
-scripts/x.py ...`, in a working directory of the test's choice): each is `__main__` in its
-child as train.py is.
+scripts/x.py ...`, in a working directory of the test's choice) and `python -c`/`python -`:
+each is `__main__` in its child as train.py is. `command` stands for `subprocess.run`,
+`popen` for `subprocess.Popen` (a test that signals a running job: the Job's pid is the
+process running the command line), `SHIM` for the interpreter of a script that starts
+Python itself ([Note: warm python], below). The server runs one command line at a time.
 """
 
 from __future__ import annotations
