@@ -5,10 +5,11 @@ rank (two replicas at P = 2)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+import warm_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,8 +20,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     cmd += ["--width", "64", "--depth", "2", "--batch-per-rank", "8", "--steps", "2"]
     cmd += ["--warmup", "1", "--rounds", "1", "--out", str(out), "--md", str(md)]
     cmd += ["--shard-group-size", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = warm_cli.command(cmd, {"OMP_NUM_THREADS": "1"}, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     result = json.loads(out.read_text())
@@ -62,8 +62,7 @@ def test_bench_tokens_smoke(tmp_path: Path) -> None:
     cmd += ["--batch-per-rank", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"]
     cmd += ["--modes", "fsdp", "--compile", "--backend", "aot_eager"]
     cmd += ["--out", str(out), "--md", str(md)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    proc = warm_cli.command(cmd, {"OMP_NUM_THREADS": "1"}, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     result = json.loads(out.read_text())
@@ -87,8 +86,7 @@ def test_build_memory_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "build_memory.py"), "--nproc", "1"]
     cmd += ["--modes", "fsdp", "--builds", "meta", "--steps", "1", "--pretrained", str(hf)]
     cmd += ["--margin-gib", "0", "--out", str(out), "--md", str(md)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    proc = warm_cli.command(cmd, {"OMP_NUM_THREADS": "1"}, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     result = json.loads(out.read_text())

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import time
 import zipfile
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from dist_harness import run_distributed
 from reference import any_loss
 from test_cli import ROOT, TORCHRUN
@@ -224,9 +224,7 @@ def test_consolidate_gives_a_state_dict_plain_torch_load_reads(saved, tmp_path):
     out = tmp_path / "full.pt"
     script = ROOT / "scripts" / "consolidate.py"
     ckpt = root / "ckpt" / "step_000006"
-    proc = subprocess.run(
-        [sys.executable, str(script), str(ckpt), str(out)], capture_output=True, text=True
-    )
+    proc = warm_cli.command([sys.executable, str(script), str(ckpt), str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     model = _model(seed=5)
     model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key
@@ -359,14 +357,12 @@ CLI_ARGS = [
 
 
 def _torchrun(args: list[str], env: dict[str, str], restarts: int = 0, timeout: float = 300):
-    return subprocess.run(
+    # the launcher from a warm process, its ranks new ones: [Note: warm command lines]
+    return warm_cli.command(
         [*TORCHRUN, "--nproc-per-node=2", f"--max-restarts={restarts}", str(ROOT / "train.py")]
         + args,
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        env,
+        timeout,
     )
 
 

@@ -5,9 +5,7 @@ in one line at the next check step, and a SIGTERM stop waiting for the write."""
 from __future__ import annotations
 
 import functools
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from dist_harness import run_distributed
 from test_checkpoint import STEPS, STOP, _build
 from test_checkpoint import _train as train_saving
@@ -103,12 +102,9 @@ def test_a_second_save_waits_for_the_first(tmp_path):
 def test_a_failed_async_write_ends_the_run_in_one_line_at_the_next_check(tmp_path):
     run_dir = tmp_path / "run"
     args = [*TINY, f"hydra.run.dir={run_dir}", "ckpt.every=2", "ckpt.async=true"]
-    proc = subprocess.run(
+    proc = warm_cli.command(
         [sys.executable, str(ROOT / "train.py"), *args, "train.steps=8"],
-        cwd=ROOT,
-        env={**os.environ, "SHARDTRAIN_FAULT": "0:2:fail_in_save"},
-        capture_output=True,
-        text=True,
+        {"SHARDTRAIN_FAULT": "0:2:fail_in_save"},
         timeout=120,
     )
     assert proc.returncode != 0
@@ -127,10 +123,9 @@ def test_a_failed_async_write_ends_the_run_in_one_line_at_the_next_check(tmp_pat
 def test_sigterm_waits_for_an_async_write_and_leaves_it_complete(tmp_path):
     run_dir = tmp_path / "run"
     args = [*TINY, "mode=zero", "ckpt.every=3", "ckpt.async=true", "train.steps=100000"]
-    job = subprocess.Popen(
+    job = warm_cli.popen(
         [*TORCHRUN, "--nproc-per-node=2", str(ROOT / "train.py"), *args,
          f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     first = run_dir / "checkpoints" / "step_000003" / "COMPLETE"
     while not first.exists():  # committed at a later check step
@@ -156,15 +151,15 @@ def test_the_estimate_gives_the_host_copy_an_async_save_holds(tmp_path):
 
     run_dir = tmp_path / "run"
     args = [*TINY, "mode=ddp", "train.steps=1", "ckpt.async=true"]
-    proc = subprocess.run(
+    proc = warm_cli.command(
         [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    est = subprocess.run(
+    est = warm_cli.command(
         [sys.executable, str(ROOT / "scripts" / "estimate.py"), "--world-size", "1", "--json",
          *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        timeout=120,
     )  # fmt: skip
     assert est.returncode == 0, est.stderr[-2000:]
     save = json.loads(est.stdout)["ddp"]["checkpoint_save_bytes"]

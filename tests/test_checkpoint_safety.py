@@ -7,12 +7,12 @@ import errno
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from test_cli import ROOT, run_cli
 
 TINY = ["model.hidden=16", "model.depth=1", "train.batch_size=16", "train.log_every=1"]
@@ -43,12 +43,9 @@ def test_killed_while_pruning_leaves_no_partial_checkpoint(tmp_path):
 
     run_dir = tmp_path / "run"
     args = [*TINY, f"hydra.run.dir={run_dir}", "ckpt.every=1", "ckpt.keep=1"]
-    killed = subprocess.run(
+    killed = warm_cli.command(
         [sys.executable, str(ROOT / "train.py"), *args, "train.steps=3"],
-        cwd=ROOT,
-        env={**os.environ, "SHARDTRAIN_FAULT": "0:2:kill_in_prune"},
-        capture_output=True,
-        text=True,
+        {"SHARDTRAIN_FAULT": "0:2:kill_in_prune"},
         timeout=120,
     )
     assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL while removing step 1
@@ -79,10 +76,8 @@ def test_a_pickle_that_would_run_code_is_named_as_such(tmp_path):
     ckpt = tmp_path / "step_000001"
     ckpt.mkdir()
     torch.save({"format": 1, "step": 1, "evil": _RunsCode(flag)}, ckpt / "meta.pt")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "consolidate.py"), str(ckpt), str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
+    proc = warm_cli.command(
+        [sys.executable, str(ROOT / "scripts" / "consolidate.py"), str(ckpt), str(tmp_path / "o")]
     )
     assert proc.returncode == 2
     [line] = _error_lines(proc)
@@ -206,15 +201,13 @@ def test_consolidate_refuses_an_unwritable_output_and_another_model(tmp_path, ca
     assert proc.returncode == 0, proc.stderr[-2000:]
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    out = subprocess.run(
+    out = warm_cli.command(
         [
             sys.executable,
             str(ROOT / "scripts" / "consolidate.py"),
             str(run_dir / "checkpoints"),
             str(blocker / "model.pt"),
-        ],
-        capture_output=True,
-        text=True,
+        ]
     )
     assert out.returncode == 2
     [line] = _error_lines(out)

@@ -8,12 +8,12 @@ import errno
 import functools
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from dist_harness import run_distributed
 from test_checkpoint_safety import TINY, _error_lines
 from test_cli import ROOT, run_cli
@@ -86,12 +86,9 @@ def test_killed_while_streaming_a_checkpoint_leaves_the_previous_one(tmp_path):
 
     run_dir = tmp_path / "run"
     args = [*TINY, f"hydra.run.dir={run_dir}", "ckpt.every=1", "ckpt.keep=2"]
-    killed = subprocess.run(
+    killed = warm_cli.command(
         [sys.executable, str(ROOT / "train.py"), *args, "train.steps=3"],
-        cwd=ROOT,
-        env={**os.environ, "SHARDTRAIN_FAULT": "0:2:kill_in_save"},
-        capture_output=True,
-        text=True,
+        {"SHARDTRAIN_FAULT": "0:2:kill_in_save"},
         timeout=120,
     )
     assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL halfway through rank0.bin
@@ -242,9 +239,7 @@ def test_consolidate_writes_safetensors_with_every_key(zero_run, tmp_path):
     ckpt = zero_run / "checkpoints" / "step_000002"
     script = ROOT / "scripts" / "consolidate.py"
     for out in (tmp_path / "m.pt", tmp_path / "m.safetensors"):
-        proc = subprocess.run(
-            [sys.executable, str(script), str(ckpt), str(out)], capture_output=True, text=True
-        )
+        proc = warm_cli.command([sys.executable, str(script), str(ckpt), str(out)])
         assert proc.returncode == 0, proc.stderr[-2000:]
     pt = torch.load(tmp_path / "m.pt", weights_only=True)
     st = load_file(tmp_path / "m.safetensors")

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from dist_harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,10 +158,9 @@ def test_barrier_holds_back_early_ranks(demos):
 
 
 def _torchrun(nproc: int, script: Path, *args: str, timeout: float = 180):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", str(script), *args]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = warm_cli.command(cmd, {"OMP_NUM_THREADS": "1"}, timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 

@@ -582,19 +582,19 @@ def test_command_line_gpt_moe(tmp_path) -> None:
     expert in the model's stacked layout; the last step's checkpoint is written
     (tests/test_checkpoint_experts.py resumes them). With DeepSeek-V3's routing bias on:
     the loop updates it after every step, and the saved model holds it."""
-    import subprocess
     import sys
     from pathlib import Path
 
+    import warm_cli
     from tb_events import scalars
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
+    proc = warm_cli.command(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(root / "train.py"), "model=gpt_moe", "data=tokens", "mode=zero",
          "mode.expert_parallel=2", "model.n_experts=4", "train.steps=6", "train.log_every=3",
          "train.batch_size=8", "model.bias_update_speed=0.001", f"run.root={tmp_path}"],
-        capture_output=True, text=True, timeout=240, cwd=root,
+        timeout=240, cwd=root,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
+import warm_cli
 from test_cli import ROOT
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -16,14 +16,18 @@ SMALL = ["model.hidden=16", "model.depth=2"]
 
 
 def _check(tmp_path, steps: int, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    # a nested directory that does not exist yet, as runs/ in a fresh clone
+    own = {"OUT_DIR": str(tmp_path / "a" / "check"), **env}  # read by the script alone
+    # its Python (torchrun's launcher, the comparison) from a warm process; the ranks
+    # torchrun starts are new ones: [Note: warm python]
+    shim = {"PY": str(warm_cli.SHIM), **warm_cli.shim_env(["PY", *own])}
     return subprocess.run(
         ["bash", str(SCRIPT), "--cpu", str(steps), *SMALL, *overrides],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
-        # a nested directory that does not exist yet, as runs/ in a fresh clone
-        env={**os.environ, "PY": sys.executable, "OUT_DIR": str(tmp_path / "a" / "check"), **env},
+        env={**os.environ, **own, **shim},
     )
 
 

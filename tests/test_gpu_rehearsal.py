@@ -5,11 +5,11 @@ while its collective is in flight, a new host read in a step (docs/gpu_check.md)
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
+import warm_cli
 from test_cli import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -23,12 +23,8 @@ from trainer.run.guard import Guard  # noqa: E402
 
 @pytest.mark.slow  # ~1 minute on an idle 2-core machine: the whole table, 27 rows
 def test_every_combination_runs():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_rehearsal.py")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = warm_cli.command(
+        [sys.executable, str(ROOT / "scripts" / "gpu_rehearsal.py")], timeout=600
     )
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

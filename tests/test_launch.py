@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import warm_cli
 from dist_harness import free_port
 from test_cli import ROOT, TORCHRUN, run_cli
 
@@ -59,19 +60,11 @@ def test_two_nodes_match_one_node_of_four(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
 
-    one = subprocess.run(
-        [
-            *TORCHRUN,
-            "--nproc-per-node=4",
-            str(ROOT / "train.py"),
-            *COMMON,
-            f"run.root={tmp_path / 'one'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    one = warm_cli.command(
+        [*TORCHRUN, "--nproc-per-node=4", str(ROOT / "train.py"), *COMMON,
+         f"run.root={tmp_path / 'one'}"],
         timeout=300,
-    )
+    )  # fmt: skip
     assert one.returncode == 0, one.stderr[-2000:]
     two, four = _final_model(tmp_path / "two"), _final_model(tmp_path / "one")
     assert two.keys() == four.keys()

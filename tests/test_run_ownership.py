@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from test_cli import ROOT, TORCHRUN, run_cli
 
 TINY = ["model.hidden=16", "model.depth=1", "train.batch_size=16", "train.log_every=1"]
@@ -193,15 +194,15 @@ def test_what_a_resume_may_change(change, refused):
 SIGTERM_ARGS = [*TINY, "mode=zero", "ckpt.every=3", "optim.schedule=constant"]
 
 
-def _start(run_dir: Path, steps: int) -> subprocess.Popen:
-    return subprocess.Popen(
+def _start(run_dir: Path, steps: int) -> warm_cli.Job | subprocess.Popen:
+    # the launcher from a warm process, its workers new ones: [Note: warm command lines]
+    return warm_cli.popen(
         [*TORCHRUN, "--nproc-per-node=2", str(ROOT / "train.py"), *SIGTERM_ARGS,
          f"train.steps={steps}", f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
-def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+def _wait_for(path: Path, proc: warm_cli.Job | subprocess.Popen) -> None:
     """Until `path` exists (training has reached it); fails if the job ends first."""
     while not path.exists():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -221,7 +222,7 @@ def _workers(launcher_pid: int) -> list[int]:
     return sorted(kids)
 
 
-def _stopped(proc: subprocess.Popen, run_dir: Path) -> tuple[int, str]:
+def _stopped(proc: warm_cli.Job | subprocess.Popen, run_dir: Path) -> tuple[int, str]:
     """The job's step at the stop, from its one line; checks the line and the checkpoint."""
     _, err = proc.communicate(timeout=120)
     lines = [x for x in err.replace("\r", "\n").splitlines() if x.startswith("stopped by")]
@@ -246,10 +247,10 @@ def test_sigterm_stops_at_one_step_saves_and_resumes_bitwise_equal(tmp_path):
     assert step >= 3
 
     total = step + 2
-    resumed = subprocess.run(
+    resumed = warm_cli.command(
         [*TORCHRUN, "--nproc-per-node=2", str(ROOT / "train.py"), *SIGTERM_ARGS,
          f"train.steps={total}", f"hydra.run.dir={run_dir}", "resume=auto"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        timeout=240,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stdout
@@ -304,10 +305,9 @@ def _catches_sigterm(proc: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_is_forwarded_to_its_workers(tmp_path):
     run_dir = tmp_path / "run"
-    job = subprocess.Popen(
+    job = warm_cli.popen(
         [sys.executable, str(ROOT / "train.py"), *SIGTERM_ARGS, "launcher.nproc=2",
          "train.steps=100000", f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     _wait_for(run_dir / "checkpoints" / "step_000003" / "COMPLETE", job)
     job.send_signal(signal.SIGTERM)  # to the parent alone: torch's agent forwards it

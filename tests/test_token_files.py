@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm_cli
 
 from trainer.data.datasets import make_loader
 from trainer.data.text import Bytes, Chars, codec_from_meta, hf_tokenizer
@@ -260,11 +261,7 @@ def test_bad_tokenizers_and_text(tmp_path):
     with pytest.raises(ConfigError, match="is not char, bytes or a local directory"):
         hf_tokenizer("gpt2")
     script = [sys.executable, str(ROOT / "scripts" / "prepare_text.py")]
-    proc = subprocess.run(
-        [*script, str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-    )
+    proc = warm_cli.command([*script, str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: text file {tmp_path / 'missing.txt'} does not exist"
     ]
@@ -314,7 +311,7 @@ def test_meta_json_without_fields_and_meta_pkl_that_is_not_one(tmp_path):
 
 def _prepare_cli(*args: str) -> subprocess.CompletedProcess:
     script = [sys.executable, str(ROOT / "scripts" / "prepare_text.py")]
-    return subprocess.run([*script, *map(str, args)], capture_output=True, text=True)
+    return warm_cli.command([*script, *map(str, args)])
 
 
 def test_prepare_text_bad_input_is_one_line_and_writes_nothing(tmp_path):

@@ -17,15 +17,25 @@ launcher starts are new processes, as they are for the user.
 What a child cannot inherit from a warm parent stays with a fresh interpreter: variables
 read when torch or Python start (ATEN_CPU_CAPABILITY, OMP_NUM_THREADS, ...) must be set
 before the server starts, so a command line with an environment of its own beyond
-WARM_ENV runs as a plain subprocess. Nothing here imports transformers: the trainer asks
-whether it is loaded (`_pretrained_class` in trainer/models/materialize.py).
+WARM_ENV runs as a plain subprocess, unless each such variable has the value the server
+started with (OMP_NUM_THREADS=1, which conftest.py sets for the whole session). Nothing
+here imports transformers: the trainer asks whether it is loaded (`_pretrained_class` in
+trainer/models/materialize.py). The same server runs the scripts of scripts/ (`python
+scripts/x.py ...`, in a working directory of the test's choice) and `python -c`/`python -`:
+each is `__main__` in its child as train.py is. `command` stands for `subprocess.run`,
+`popen` for `subprocess.Popen` (a test that signals a running job: the Job's pid is the
+process running the command line), `SHIM` for the interpreter of a script that starts
+Python itself ([Note: warm python], below). The server runs one command line at a time.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,23 +45,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # variables the trainer reads while it runs, not at start: a child may take them
-WARM_ENV = frozenset({"SHARDTRAIN_FAULT", "PYTHONFAULTHANDLER"})
+# (SHARDTRAIN_FAULT*: trainer/checkpoint/faults.py reads them when a fault point is reached;
+# CUDA_VISIBLE_DEVICES: torch reads it when CUDA initializes, which the server never does)
+WARM_ENV = frozenset(
+    {"SHARDTRAIN_FAULT", "SHARDTRAIN_FAULT_ONCE", "PYTHONFAULTHANDLER", "CUDA_VISIBLE_DEVICES"}
+)
+# `python` for scripts that run $PY (scripts/gpu_check.sh): [Note: warm python]
+SHIM = ROOT / "tests" / "warm_python"
+# set by a shell or by pytest for its own bookkeeping; neither Python nor torch reads them
+SHELL_ENV = ("SHLVL", "_", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST")
 
 SERVER = r"""
-import atexit, faulthandler, json, os, runpy, sys, threading, traceback
+import atexit, faulthandler, json, os, runpy, select, socket, sys, threading, traceback, types
+START_ENV = dict(os.environ)  # before an import sets a variable of its own
 import hydra, omegaconf, torch  # what every run imports: once, here
 import torch.distributed.run  # torchrun's launcher
+import torch._dynamo  # what the first optimizer a process builds imports
 import trainer.run.cli, trainer.run.loop  # train.py's own imports and the loop's
 assert threading.active_count() == 1, threading.enumerate()  # fork needs one thread
 assert "transformers" not in sys.modules
+assert not torch.cuda.is_initialized()  # CUDA_VISIBLE_DEVICES: still the child's to set
+SOCKET, WARM_ENV = sys.argv[1], frozenset(json.loads(sys.argv[2]))
 
-def child(case):
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        f = os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
+def child(case, fds):
+    if fds:  # a client's stdin, stdout and stderr
+        for fd, own in enumerate(fds):
+            os.dup2(own, fd)
+        for own in fds:
+            os.close(own)
+    else:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            f = os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
     os.chdir(case["cwd"])
     os.environ.clear()
     os.environ.update(case["env"])
@@ -61,6 +88,13 @@ def child(case):
     try:
         if case["module"]:
             runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
+        elif sys.argv[0] in ("-", "-c"):  # python - ARGS (the program on stdin), -c CODE ARGS
+            source = sys.stdin.read() if sys.argv[0] == "-" else sys.argv.pop(1)
+            sys.path[0] = ""
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(source, "<stdin>" if sys.argv[0] == "-" else "<string>", "exec"),
+                 main.__dict__)
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
             runpy.run_path(sys.argv[0], run_name="__main__")
@@ -83,67 +117,290 @@ def child(case):
     sys.stderr.flush()
     os._exit(code)
 
-reply = os.fdopen(os.dup(1), "w")
-for line in sys.stdin:
-    case = json.loads(line)
+def serve(case, fds, say):
     pid = os.fork()
     if pid == 0:
-        child(case)
-    reply.write(json.dumps({"pid": pid}) + "\n")
-    reply.flush()
+        listener.close()
+        child(case, fds)
+    for fd in fds:
+        os.close(fd)
+    say({"pid": pid})
     _, status = os.waitpid(pid, 0)
-    reply.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+    say({"code": os.waitstatus_to_exitcode(status)})
+
+def warm_for(case):
+    # [Note: warm python]: every variable that differs from the server's start is one
+    # read at run time (WARM_ENV) or one the client names as its caller's own
+    own = WARM_ENV | set(case["own_env"])
+    env = case["env"]
+    differ = {k for k in env.keys() | START_ENV.keys() if env.get(k) != START_ENV.get(k)}
+    return differ <= own
+
+def client(conn):
+    with conn:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        while not data.endswith(b"\n"):
+            more = conn.recv(1 << 16)
+            if not more:
+                return
+            data += more
+        case = json.loads(data)
+        say = lambda msg: conn.sendall((json.dumps(msg) + "\n").encode())
+        if len(fds) != 3 or not warm_for(case):
+            for fd in fds:
+                os.close(fd)
+            say({"cold": True})
+            return
+        serve(case, fds, say)
+
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(SOCKET)
+listener.listen(8)
+reply = os.fdopen(os.dup(1), "w")
+
+def say_stdout(msg):
+    reply.write(json.dumps(msg) + "\n")
     reply.flush()
+
+say_stdout({"ready": True})
+
+pending = b""
+while True:
+    ready, _, _ = select.select([0, listener], [], [])
+    if 0 in ready:
+        data = os.read(0, 1 << 16)
+        if not data:
+            break
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            serve(json.loads(line), [], say_stdout)
+    if listener in ready:
+        client(listener.accept()[0])
 """
+
+
+class Job:
+    """One command line running in a child of the server, used as `subprocess.Popen(...,
+    stdout=PIPE, stderr=PIPE, text=True)` is: `pid`, `poll`, `wait`, `communicate`,
+    `send_signal`, `kill`, `returncode` (negative: the signal that ended it)."""
+
+    def __init__(self, server: _Server, argv: list[str], module: str | None, env: dict, cwd: Path):
+        self.args = argv
+        self._tmp = tempfile.TemporaryDirectory()
+        self._out, self._err = Path(self._tmp.name) / "stdout", Path(self._tmp.name) / "stderr"
+        case = {
+            "argv": argv, "module": module, "cwd": str(cwd), "env": env,
+            "stdout": str(self._out), "stderr": str(self._err),
+        }  # fmt: skip
+        server.proc.stdin.write(json.dumps(case) + "\n")
+        server.proc.stdin.flush()
+        self.pid: int = json.loads(server.proc.stdout.readline())["pid"]
+        self.returncode: int | None = None
+        self._reader = threading.Thread(target=self._read_code, args=(server,), daemon=True)
+        self._reader.start()
+
+    def _read_code(self, server: _Server) -> None:
+        self.returncode = json.loads(server.proc.stdout.readline())["code"]
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self._out.read_text(), self._err.read_text()
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # not yet reaped by the server: the pid is still its
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class _Server:
     def __init__(self) -> None:
+        self.socket = Path(tempfile.mkdtemp(prefix="warm-")) / "socket"  # for `SHIM`s
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER],
+            [sys.executable, "-c", SERVER, str(self.socket), json.dumps(sorted(WARM_ENV))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
         )
-        self.lock = threading.Lock()
+        self.start_env = dict(os.environ)  # what the server and each child started under
+        atexit.register(shutil.rmtree, self.socket.parent, ignore_errors=True)
+        assert json.loads(self.proc.stdout.readline()) == {"ready": True}  # and listening
+        self.job: Job | None = None
 
-    def run(self, argv: list[str], module: str | None, env: dict, timeout: float):
-        with tempfile.TemporaryDirectory() as tmp, self.lock:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            case = {
-                "argv": argv, "module": module, "cwd": str(ROOT), "env": env,
-                "stdout": str(out), "stderr": str(err),
-            }  # fmt: skip
-            self.proc.stdin.write(json.dumps(case) + "\n")
-            self.proc.stdin.flush()
-            pid = json.loads(self.proc.stdout.readline())["pid"]
-            done: list[int] = []
-            reader = threading.Thread(
-                target=lambda: done.append(json.loads(self.proc.stdout.readline())["code"])
-            )
-            reader.start()
-            reader.join(timeout)
-            if reader.is_alive():  # as subprocess.run does: kill, then say so
-                os.kill(pid, signal.SIGKILL)
-                reader.join()
-                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
-            return subprocess.CompletedProcess(argv, done[0], out.read_text(), err.read_text())
+    def start(self, argv: list[str], module: str | None, env: dict, cwd: Path) -> Job:
+        """A child for `argv`; the server runs one at a time. One still running was left
+        behind by a test that failed before it waited: it is killed first."""
+        if self.job is not None and self.job.poll() is None:
+            self.job.kill()
+            self.job.wait()
+        self.job = Job(self, argv, module, env, cwd)
+        return self.job
+
+    def run(self, argv: list[str], module: str | None, env: dict, cwd: Path, timeout: float):
+        job = self.start(argv, module, env, cwd)
+        try:
+            out, err = job.communicate(timeout)
+        except subprocess.TimeoutExpired:  # as subprocess.run does: kill, then say so
+            job.kill()
+            out, err = job.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+        return subprocess.CompletedProcess(argv, job.returncode, out, err)
 
 
 _server: _Server | None = None
 
 
-def run(launcher: list[str], args: list[str], env: dict[str, str], extra_env: dict, timeout: float):
-    """`launcher + args` (launcher: [python] or [python, -m, torch.distributed.run, ...]),
-    from the warm server when it can be ([Note: warm command lines]), else as a subprocess."""
+def _warm_server(extra_env: dict) -> _Server | None:
+    """The server, started if need be; None if `extra_env` needs a fresh interpreter:
+    a variable beyond WARM_ENV at another value than the server started with."""
     global _server
-    if any(k not in WARM_ENV for k in extra_env):
-        return subprocess.run(
-            launcher + args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
-        )
-    if _server is None or _server.proc.poll() is not None:
+    if _server is not None and _server.proc.poll() is not None:
+        _server = None
+    start = os.environ if _server is None else _server.start_env  # a new one: as it is now
+    if any(k not in WARM_ENV and start.get(k) != str(v) for k, v in extra_env.items()):
+        return None
+    if _server is None:
         _server = _Server()
+    return _server
+
+
+def _split(launcher: list[str], args: list[str]) -> tuple[list[str], str | None]:
+    """(sys.argv, module) of the child for `launcher + args`."""
     module = launcher[2] if launcher[1:2] == ["-m"] else None
-    argv = [module, *launcher[3:], *args] if module else args
-    return _server.run(argv, module, env, timeout)
+    return ([module, *launcher[3:], *args] if module else args), module
+
+
+def run(
+    launcher: list[str],
+    args: list[str],
+    env: dict[str, str],
+    extra_env: dict,
+    timeout: float | None,
+    cwd: Path = ROOT,
+) -> subprocess.CompletedProcess:
+    """`launcher + args` (launcher: [python] or [python, -m, torch.distributed.run, ...];
+    args: train.py or a script, then its arguments) in `cwd`, from the warm server when it
+    can be ([Note: warm command lines]), else as a subprocess. `extra_env`: the variables
+    `env` sets beyond the test process's environment."""
+    server = _warm_server(extra_env)
+    if server is None:
+        return subprocess.run(
+            launcher + args, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+        )
+    return server.run(*_split(launcher, args), env, cwd, timeout)
+
+
+def _launcher(argv: list[str]) -> tuple[list[str], list[str]]:
+    assert argv[0] == sys.executable, argv  # the interpreter the server runs
+    split = 3 if argv[1:2] == ["-m"] else 1
+    return argv[:split], argv[split:]
+
+
+def command(
+    argv: list[str], extra_env: dict | None = None, timeout: float | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, cwd=cwd, env={**os.environ, **extra_env}, capture_output=True,
+    text=True, timeout=timeout)` for `argv` = [python, script, ...] or [python, -m, module,
+    ...], from the warm server when it can be ([Note: warm command lines])."""
+    extra = dict(extra_env or {})
+    return run(*_launcher(argv), {**os.environ, **extra}, extra, timeout, cwd)
+
+
+def popen(argv: list[str], extra_env: dict | None = None, cwd: Path = ROOT):
+    """`subprocess.Popen(argv, cwd=cwd, env={**os.environ, **extra_env}, stdout=PIPE,
+    stderr=PIPE, text=True)`, from the warm server when it can be: a Job, whose pid is the
+    process that runs the command line (torchrun's ranks are its children)."""
+    extra = dict(extra_env or {})
+    env = {**os.environ, **extra}
+    server = _warm_server(extra)
+    if server is None:
+        return subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    launcher, args = _launcher(argv)
+    return server.start(*_split(launcher, args), env, cwd)
+
+
+def shim_env(own: list[str]) -> dict[str, str]:
+    """The variables that make `SHIM` run each command line from this process's warm
+    server ([Note: warm python]). `own`: the variables the caller sets for the script
+    that runs the shim (and that only that script reads)."""
+    server = _warm_server({})
+    return {
+        "WARM_SOCKET": str(server.socket),
+        "WARM_PYTHON": sys.executable,
+        "WARM_OWN_ENV": " ".join(own),
+    }
+
+
+# [Note: warm python]
+# A script that runs Python itself ($PY in scripts/gpu_check.sh: torchrun's launcher, and
+# a comparison read from stdin) gets `SHIM` as its interpreter. The shim (this file, run
+# as `python -I -S`: no site, no torch) hands its argv, working directory, environment
+# and its own stdin, stdout and stderr (the file descriptors themselves, over the
+# server's Unix socket) to the warm server, which forks a child for it as for
+# `run`; the shim forwards SIGTERM, SIGINT and SIGHUP to that child and ends as it ended
+# (exit code, or the same signal). A command line the server cannot run warm becomes the
+# real interpreter at once (exec, same argv): an option other than -m, -c or -, no
+# server, or an environment that differs from the server's start in a variable that is
+# neither in WARM_ENV, SHELL_ENV, nor one the test named as the script's own.
+
+
+def _client(args: list[str]) -> None:
+    python = os.environ["WARM_PYTHON"]
+
+    def cold() -> None:
+        os.execv(python, [python, *args])
+
+    if not args:
+        cold()
+    if args[0] == "-m" and len(args) > 1:
+        argv, module = args[1:], args[1]
+    elif args[0] == "-c" and len(args) > 1 or args[0] == "-" or not args[0].startswith("-"):
+        argv, module = list(args), None
+    else:
+        cold()
+    own = os.environ.get("WARM_OWN_ENV", "").split()
+    own += ["WARM_SOCKET", "WARM_PYTHON", "WARM_OWN_ENV", *SHELL_ENV]
+    case = {
+        "argv": argv, "module": module, "cwd": os.getcwd(), "env": dict(os.environ),
+        "own_env": own,
+    }  # fmt: skip
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(os.environ["WARM_SOCKET"])
+    except (KeyError, OSError):
+        cold()
+    msg = (json.dumps(case) + "\n").encode()
+    socket.send_fds(conn, [msg[:1]], [0, 1, 2])
+    conn.sendall(msg[1:])
+    replies = conn.makefile()
+    first = json.loads(replies.readline())
+    if first.get("cold"):
+        conn.close()
+        cold()
+    pid = first["pid"]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda sig, _frame: os.kill(pid, sig))
+    code = json.loads(replies.readline())["code"]
+    if code < 0:  # ended by a signal: end by the same one, as the interpreter would have
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    _client(sys.argv[1:])
