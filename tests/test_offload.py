@@ -1,5 +1,7 @@
 """mode.offload=disk: the offload file, and zero and fsdp with their optimizer state in it,
-bitwise against offload=null ([Note: offloaded state] in trainer/offload/state.py).
+bitwise against offload=null ([Note: offloaded state] in trainer/offload/state.py); and
+mode.offload=host's bookkeeping, run on CPU tensors ([Note: host offload] in
+trainer/offload/host.py), bitwise against offload=null too.
 
 One group per world size (P = 1, 2, 4) trains every case twice, without and with offload,
 in one set of worker processes; the tests compare what each run returned. Bitwise: the
@@ -20,7 +22,7 @@ import torch
 from dist_harness import run_distributed
 
 from trainer.errors import ConfigError, StorageError
-from trainer.offload.disk import OffloadFile
+from trainer.offload.disk import OffloadFile, aligned
 
 # -- the file --------------------------------------------------------------------------------
 
@@ -183,10 +185,14 @@ def _train(env, mode, precision, optim, accum, variant, offload, directory, save
     from trainer import checkpoint
     from trainer.parallel import build_engine
 
+    on_host = offload == "host"
     engine = build_engine(
         _model(variant), mode, _optimizer(optim), precision=precision, param_options=_no_decay,
-        bucket_mb=0.002, offload=offload, offload_dir=directory, **VARIANTS[variant],
+        bucket_mb=0.002, offload=None if on_host else offload, offload_dir=directory,
+        **VARIANTS[variant],
     )  # fmt: skip
+    if on_host:  # the GPU path on CPU tensors: copies are plain copies, no streams
+        engine.offload_to_host()
     from trainer.run.optim import lr_scheduler
 
     optim_cfg = {"schedule": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}
@@ -222,7 +228,24 @@ def _train(env, mode, precision, optim, accum, variant, offload, directory, save
     if start and not after:  # resumed at the last step: what was loaded
         saved = engine.full_state_dict()
     largest, estimated, measured = 0, None, None
-    if engine.offload is not None:  # one buffer's state, as the file lays it out
+    if on_host:  # where the optimizer's tensors are: the arena, sized to the byte
+        arena = engine.offload.arena
+        regions = sum(aligned(b.shard_numel * 4) for b in engine.offload.buffers)
+        steps = [p for g in engine.optimizer.param_groups for p in g["params"] if p.numel()]
+        at = arena.bytes.untyped_storage().data_ptr()
+        measured = {
+            "arena": arena.nbytes,
+            "regions": 2 * regions,  # a master and a gradient per buffer
+            "stepped_in_arena": all(p.untyped_storage().data_ptr() == at for p in steps),
+            "host_bytes": engine.offload.host_bytes(),
+            "state_bytes": sum(
+                v.untyped_storage().nbytes()
+                for st in engine.optimizer.state.values()
+                for v in st.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            ),
+        }
+    elif engine.offload is not None:  # one buffer's state, as the file lays it out
         largest = max(len(engine.offload.keys) * b.shard_numel * 4 for b in engine.offload.buffers)
         if variant == "mlp":
             estimated = _estimate(mode, precision, optim, env.world_size)
@@ -234,7 +257,7 @@ def _train(env, mode, precision, optim, accum, variant, offload, directory, save
         ]
         measured = {"file_bytes": engine.offload.nbytes, "optimizer_in_file": sum(per_element)}
     state = engine.full_state_dict()
-    path = engine.offload.file.path if engine.offload is not None else None
+    path = engine.offload.file.path if engine.offload is not None and not on_host else None
     engine.close()
     return {
         "state": state,
@@ -276,8 +299,15 @@ def _all_cases(env, root: str, cases: list) -> dict:
     out = {}
     for case in cases:
         directory = Path(root) / "-".join(map(str, case))
-        out[case] = [_train(env, *case, off, directory) for off in (None, "disk")]
+        offloads = (None, "disk", "host") if _host_too(env.world_size, case) else (None, "disk")
+        out[case] = [_train(env, *case, off, directory) for off in offloads]
     return out
+
+
+def _host_too(world: int, case: tuple) -> bool:
+    """offload=host runs beside: at P = 2, and hybrid sharding at P = 4; not fp16, which
+    host offload refuses (build_engine)."""
+    return case[1] != "fp16" and (world == 2 or case[4] == "hybrid")
 
 
 # P = 2 runs every case; P = 1 and 4 the AdamW ones (accumulation, both precisions' paths)
@@ -308,10 +338,34 @@ def _case_id(wc) -> str:
 def test_offload_disk_is_bitwise_offload_null(runs, world_case):
     world, case = world_case
     for rank, got in enumerate(runs(world)):
-        plain, offloaded = got[case]
+        plain, offloaded = got[case][:2]
         assert plain["state"].keys() == offloaded["state"].keys()
         for k, v in plain["state"].items():
             assert torch.equal(v, offloaded["state"][k]), f"P={world} rank {rank}: {k} differs"
+
+
+HOST_CASES = [wc for wc in WORLD_CASES if _host_too(*wc)]
+
+
+@pytest.mark.parametrize("world_case", HOST_CASES, ids=_case_id)
+def test_offload_host_is_bitwise_offload_null(runs, world_case):
+    world, case = world_case
+    for rank, got in enumerate(runs(world)):
+        plain, on_host = got[case][0], got[case][2]
+        assert plain["state"].keys() == on_host["state"].keys()
+        for k, v in plain["state"].items():
+            assert torch.equal(v, on_host["state"][k]), f"P={world} rank {rank}: {k} differs"
+
+
+@pytest.mark.parametrize("world_case", HOST_CASES, ids=_case_id)
+def test_offload_host_steps_host_masters_in_an_arena_sized_to_the_byte(runs, world_case):
+    world, case = world_case
+    for got in runs(world):
+        m = got[case][2]["measured"]
+        assert m["stepped_in_arena"]  # the optimizer steps the host masters, nothing else
+        assert m["arena"] == m["regions"]  # no rounding up beyond each region's page
+        assert m["state_bytes"] > 0  # the moments exist, on the host, beside the arena
+        assert m["host_bytes"] == m["arena"] + m["state_bytes"]
 
 
 @pytest.mark.parametrize("world_case", WORLD_CASES, ids=_case_id)
@@ -319,7 +373,7 @@ def test_offloaded_state_is_out_of_memory_between_steps(runs, world_case):
     world, case = world_case
     mode, precision = case[0], case[1]
     for got in runs(world):
-        plain, offloaded = got[case]
+        plain, offloaded = got[case][:2]
         # Live storages: the optimizer's state and (zero in bf16/fp16) the masters
         assert all(opt > 0 for opt, _ in plain["after"])
         assert all(opt == 0 for opt, _ in offloaded["after"])
@@ -398,7 +452,12 @@ def _checkpoint_cases(env, root: str) -> dict:
     for mode, precision in (("zero", "bf16"), ("fsdp", "fp32")):
         case = (mode, precision, "adamw", 1, "mlp")
         whole = _train(env, *case, None, Path(root) / "ref")
-        for saved_with, resumed_with in (("disk", None), (None, "disk")):
+        for saved_with, resumed_with in (
+            ("disk", None),
+            (None, "disk"),
+            ("host", None),
+            (None, "host"),
+        ):
             tag = f"{mode}-{saved_with}-{resumed_with}"
             ckpt = Path(root) / tag / "ckpt"
             _train(env, *case, saved_with, Path(root) / tag, save=(ckpt, 1))
@@ -434,7 +493,12 @@ def resumed(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "tag", ["zero-disk-None", "zero-None-disk", "fsdp-disk-None", "fsdp-None-disk"]
+    "tag",
+    [
+        f"{m}-{a}-{b}"
+        for m in ("zero", "fsdp")
+        for a, b in (("disk", None), (None, "disk"), ("host", None), (None, "host"))
+    ],  # fmt: skip
 )
 def test_a_checkpoint_resumes_bitwise_across_offload_settings(resumed, tag):
     for rank, got in enumerate(resumed[0]):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,6 +54,20 @@ def synchronize(device: torch.device, why: str) -> None:
     _count(why)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, why: str) -> None:
+    """`dst.copy_(src)` from the device into pinned host memory, queued on the current
+    stream without waiting (not a read: nothing is counted); whoever reads `dst` first
+    waits for an event recorded after it (`wait_event`)."""
+    dst.copy_(src, non_blocking=True)
+
+
+def wait_event(event: Any, why: str) -> None:
+    """Wait until the device has run everything before `event` (a CUDA event), counted
+    as a read: the host reads what a copy to the host wrote (mode.offload=host)."""
+    _count(why)
+    event.synchronize()
 
 
 @contextmanager

@@ -24,9 +24,11 @@ from trainer.observe import heap
 
 KINDS = ("params", "master", "grads", "optimizer", "comm")
 # Order of the packed tensor gathered to rank 0 (one Gather per logging interval). "disk":
-# the blocks of the offload file (mode.offload=disk), "offload_wait_us": microseconds per
-# step the optimizer step waited for that file ([Note: offloaded state]).
-FIELDS = (*KINDS, "model_state", "peak", "disk", "offload_wait_us")
+# the blocks of the offload file (mode.offload=disk), "host": the host memory a GPU run's
+# offloaded state takes (mode.offload=host), "offload_wait_us": microseconds per step the
+# optimizer step waited for the file or for its gradients' copies ([Note: offloaded
+# state], [Note: host offload]).
+FIELDS = (*KINDS, "model_state", "peak", "disk", "host", "offload_wait_us")
 
 
 # ---------------------------------------------------------------------------------------
@@ -58,20 +60,25 @@ FIELDS = (*KINDS, "model_state", "peak", "disk", "offload_wait_us")
 def measure(engine: Any) -> dict[str, int]:
     """Bytes this rank holds per kind, from live storages, plus model_state and peak."""
     held, device = _held(engine)
-    return {**held, "peak": peak_bytes(device), "disk": disk_bytes(engine)}
+    return {**held, "peak": peak_bytes(device), **offloaded_bytes(engine)}
 
 
-def disk_bytes(engine: Any) -> int:
-    """Bytes of disk this rank's offload file takes (its allocated blocks); 0 without."""
+def offloaded_bytes(engine: Any) -> dict[str, int]:
+    """Bytes this rank's offloaded state takes outside the device: "disk" (the offload
+    file's allocated blocks), "host" (a GPU run's state in host memory); 0 without."""
     offload = getattr(engine, "offload", None)
-    return offload.file.allocated_bytes() if offload is not None else 0
+    if offload is None:
+        return {"disk": 0, "host": 0}
+    return {"disk": offload.disk_bytes(), "host": offload.host_bytes()}
 
 
 def _held(engine: Any) -> tuple[dict[str, int], torch.device]:
     tensors = engine.state_tensors()
     seen: set[tuple[str, int]] = set()
     out: dict[str, int] = {}
-    device = torch.device("cpu")
+    device = getattr(engine, "device", None)
+    on_device = device is not None and device.type != "cpu"
+    device = device or torch.device("cpu")
     for kind in KINDS:
         total = 0
         for t in tensors.get(kind, []):
@@ -79,9 +86,10 @@ def _held(engine: Any) -> tuple[dict[str, int], torch.device]:
             key = (str(t.device), storage.data_ptr())
             if storage.nbytes() == 0 or key in seen:  # freed, or counted in an earlier kind
                 continue
+            if on_device and t.device.type == "cpu":  # host offload's: under "host"
+                continue
             seen.add(key)
             total += storage.nbytes()
-            device = t.device
         out[kind] = total
     out["model_state"] = out["params"] + out["master"] + out["grads"] + out["optimizer"]
     return out, device
@@ -404,14 +412,22 @@ class MemoryMonitor:
             for key in ("master", "model_state", "working_set"):
                 out[key] += apart
         offload = getattr(self.engine, "offload", None)
-        if offload is not None:  # in the file between steps (docs/offload.md)
-            moved = out["optimizer"] + (out["master"] if offload.move_masters else 0)
+        if offload is not None:  # in the file, or on the host (docs/offload.md)
+            on_host = offload.disk_bytes() == 0 and offload.host_bytes() > 0
+            moved = out["optimizer"] + (out["master"] if offload.move_masters or on_host else 0)
+            if on_host:  # [Note: host offload]: per rank, the fp32 master and its pinned
+                # gradient beside the state; fsdp's gathered shard stays, in the compute dtype
+                shard = self.numel / s
+                out["host"] = out["optimizer"] + 2 * 4 * shard
+                if self.engine.name == "fsdp":
+                    moved += (4 - self.param_bytes) * shard
+                    out["params"] -= (4 - self.param_bytes) * shard
             out["optimizer"] = 0.0
-            if offload.move_masters:
+            if offload.move_masters or on_host:
                 out["master"] = 0.0
             out["model_state"] -= moved
             out["working_set"] -= moved
-            out["disk"] = float(offload.nbytes)
+            out["disk"] = float(getattr(offload, "nbytes", 0))
         return out
 
     def _split(self) -> tuple[int, int, int]:
@@ -457,7 +473,7 @@ class MemoryMonitor:
         local, self._high = self._high, None
         peak = self.peak()
         local["peak"] = -1 if peak is None else peak  # -1: not measured (packed as int64)
-        local["disk"] = disk_bytes(self.engine)
+        local.update(offloaded_bytes(self.engine))
         steps = max(1, self._offload_steps)
         local["offload_wait_us"] = int(self._waited_s / steps * 1e6)
         self._waited_s, self._offload_steps = 0.0, 0
@@ -497,10 +513,10 @@ def report(
     equals the model state (no transient units)."""
     exp = exp or {}
     out: dict[str, float] = {}
-    rows = [{"disk": 0, "offload_wait_us": 0, **row} for row in rows]  # no offload: none
+    rows = [{"disk": 0, "host": 0, "offload_wait_us": 0, **row} for row in rows]  # no offload
     for f in FIELDS:
         if f == "offload_wait_us":  # a time, not bytes; only where something is offloaded
-            if any(row["disk"] for row in rows):
+            if any(row["disk"] or row["host"] for row in rows):
                 out["offload/wait_ms_per_step/max"] = max(row[f] for row in rows) / 1e3
             continue
         if f == "peak":

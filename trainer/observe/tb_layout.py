@@ -57,7 +57,15 @@ def _charts() -> dict[str, list[Chart]]:
         # mode.offload=disk (docs/offload.md): the file beside the memory, and its waits
         ("offload file on disk per rank, MiB (max over ranks)", [r"^memory/disk_MiB/max$"]),
         ("offload file per rank, MiB (formula)", [r"^memory/expected/disk_MiB$"]),
-        ("offload: the step waited for the file, ms", [r"^offload/wait_ms_per_step/max$"]),
+        # mode.offload=host: the state in host memory, measured beside its formula
+        (
+            "offloaded state in host memory per rank, MiB (measured, formula)",
+            [r"^memory/host_MiB/max$", r"^memory/expected/host_MiB$"],
+        ),
+        (
+            "offload: the step waited for the file or its gradients' copies, ms",
+            [r"^offload/wait_ms_per_step/max$"],
+        ),
     ]
     return {
         TRAINING: [

@@ -67,6 +67,43 @@ def per_element_keys(optimizer: torch.optim.Optimizer) -> list[str]:
     )
 
 
+class BufferSteps:
+    """One optimizer step taken buffer by buffer (`step(i)`): inside the block, every
+    buffer's pieces have their `.grad` hidden but while that buffer steps, so each
+    `optimizer.step()` updates one buffer (torch's optimizers skip a tensor without a
+    gradient); what watches optimizer steps (the memory monitor, the step peak) sees one
+    step: its post-hooks are held back, and `done()` runs them once, after the last
+    buffer. Leaving the block puts everything back."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buffers: Sequence[Any]):
+        self.optimizer = optimizer
+        self.grads = [[(p.tensor, p.tensor.grad) for p in b.pieces] for b in buffers]
+        self._hooks = optimizer._optimizer_step_post_hooks  # torch's, by handle id
+        self._held: dict = {}
+
+    def __enter__(self) -> BufferSteps:
+        for pairs in self.grads:
+            for t, _ in pairs:
+                t.grad = None
+        self._held = dict(self._hooks)
+        self._hooks.clear()
+        return self
+
+    def step(self, i: int) -> None:
+        for t, g in self.grads[i]:
+            t.grad = g
+        self.optimizer.step()
+        for t, _ in self.grads[i]:
+            t.grad = None
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.update(self._held)
+
+    def done(self) -> None:
+        for hook in self._held.values():
+            hook(self.optimizer, (), {})
+
+
 class OffloadedState:
     """The optimizer state (and `move_masters`: the fp32 masters) of `buffers`, each with
     `pieces` and `master` (sharded.py's ShardedBuffer), kept in a file at `path` between
@@ -184,43 +221,34 @@ class OffloadedState:
         """optimizer.step(), buffer by buffer, each while its state is in memory;
         `after(buffer)` then, before it is written out (zero casts its master)."""
         self.file.check()
-        grads = [[(p.tensor, p.tensor.grad) for p in b.pieces] for b in self.buffers]
-        for pairs in grads:
-            for t, _ in pairs:
-                t.grad = None
-        # What watches optimizer steps (the memory monitor, the step peak) sees one step:
-        # its post-hooks run once, after the last buffer, not after each.
-        post_hooks = self.optimizer._optimizer_step_post_hooks  # torch's, by handle id
-        held_hooks = dict(post_hooks)
-        post_hooks.clear()
         start, waited, self._moved = time.perf_counter(), 0.0, 0
-        try:
+        with BufferSteps(self.optimizer, self.buffers) as steps:
             reading: Future | None = self._fetch(0) if self.buffers else None
             writing = None
             for i, b in enumerate(self.buffers):
                 ready = reading
                 reading = self._fetch(i + 1) if i + 1 < len(self.buffers) else None
                 waited += _waited(ready.result)
-                for t, g in grads[i]:
-                    t.grad = g
-                self.optimizer.step()
-                for t, _ in grads[i]:
-                    t.grad = None
+                steps.step(i)
                 if after is not None:
                     after(b)
                 waited += _waited(self._wait_written, writing)  # one written behind
                 writing = self._evict(i)
             waited += _waited(self._wait_written, writing)
-        finally:
-            post_hooks.update(held_hooks)
         heap.release_free_pages()  # the freed state's pages, not kept for the next step
         self.last_step = {
             "wait_s": waited,
             "step_s": time.perf_counter() - start,
             "bytes": self._moved,
         }
-        for hook in held_hooks.values():
-            hook(self.optimizer, (), {})
+        steps.done()
+
+    def disk_bytes(self) -> int:
+        """Bytes of disk the file takes now (its allocated blocks)."""
+        return self.file.allocated_bytes()
+
+    def host_bytes(self) -> int:
+        return 0  # a CPU run: the host is the device, its figures are the memory kinds'
 
     @contextmanager
     def masters(self, i: int) -> Iterator[None]:

@@ -66,13 +66,14 @@ def build_engine(
     `offload="disk"` (zero, fsdp; CPU) keeps this rank's optimizer state, and zero's
     separate fp32 masters, in `offload_dir/rank<r>.offload` between steps
     ([Note: offloaded state] in trainer/offload/state.py); call `engine.close()` after
-    the run to remove the file.
+    the run to remove the file. `offload="host"` (zero, fsdp; CUDA) keeps them in host
+    memory and steps them there ([Note: host offload] in trainer/offload/host.py).
 
     A model whose parameters are on the meta device (built under
     `materialize.empty_weights()`) takes its values from `source`: `SeededInit(seed)`
     for a fresh init, `Pretrained(dir)` for safetensors weights ([Note: building on
     meta]); `device` is where its state goes (default: its buffers' device, else CPU)."""
-    _check_offload(offload, offload_dir, mode, model, device)
+    _check_offload(offload, offload_dir, mode, model, device, precision, gather_dtype)
     ep = experts.plan(model, expert_parallel, options.get("shard_group_size"))
     mp = Precision.of(precision, reduce_dtype, gather_dtype, quant_block, error_feedback)
     if gather_dtype is not None and mode == "ddp":
@@ -127,13 +128,17 @@ def build_engine(
     if fp16:
         device = next((p.device for p in model.parameters() if not p.is_meta), device)
         optimizer = fused_for_scaling(optimizer, device or torch.device("cpu"))
+    if offload == "host":  # the step runs on the host: torch's fused CPU kernels
+        optimizer = fused_for_scaling(optimizer, torch.device("cpu"))
     if ep is not None:
         options["experts"] = ep
         experts.scale_gradients(ep)  # [Note: expert gradient scale] in experts.py
     engine = engine_cls(
         model, optimizer, precision=mp, scaler=scaler, param_options=param_options, **options
     )
-    if offload is not None:
+    if offload == "host":
+        engine.offload_to_host()
+    elif offload is not None:
         engine.offload_state(Path(offload_dir) / f"rank{comm.rank()}.offload")
     return engine
 
@@ -144,6 +149,8 @@ def _check_offload(
     mode: str,
     model: nn.Module,
     device: torch.device | str | None,
+    precision: str = "fp32",
+    gather_dtype: str | None = None,
 ) -> None:
     """Refuse in one line an offload this build cannot do, before anything is built."""
     if offload is None:
@@ -164,10 +171,22 @@ def _check_offload(
             "mode.offload=host moves state from the GPU to host memory, where a CPU run "
             "keeps it already: use mode.offload=disk to move it out of memory"
         )
+    if offload == "host":
+        if precision == "fp16":
+            raise ConfigError(
+                "mode.offload=host with precision=fp16 is not built: the host step would read "
+                "the device's overflow flag and its device-side lr; use precision=bf16"
+            )
+        if gather_dtype == "int8":
+            raise ConfigError(
+                "mode.offload=host with mode.gather_dtype=int8: the AllGather quantizes the "
+                "fp32 master on the device, which host offload keeps on the host; unset one"
+            )
+        return
     if on_cuda:
         raise ConfigError(
-            f"mode.offload={offload} on CUDA (the step on the host, pinned copies on the "
-            "side streams) is not built yet: unset mode.offload (docs/offload.md)"
+            "mode.offload=disk on CUDA is not built: use mode.offload=host (the state in "
+            "host memory, stepped there), or run on CPU (docs/offload.md)"
         )
     if offload_dir is None:
         raise ConfigError("mode.offload=disk needs mode.offload_dir, the directory of its file")

@@ -33,6 +33,7 @@ from torch import nn
 from trainer import comm
 from trainer.comm import groups as comm_groups
 from trainer.errors import ConfigError
+from trainer.offload.host import HostOffload
 from trainer.offload.state import OffloadedState
 from trainer.parallel import clipping, pieces
 from trainer.parallel.broadcast import broadcast_tensors
@@ -91,7 +92,7 @@ class Engine(ABC):
         self._in_backward = False  # [Note: end of backward]: the callback is queued
         self.frozen = FrozenMasters()  # fp32 values of frozen parameters, if cast
         # mode.offload=disk: the optimizer state in a file between steps (offload/state.py)
-        self.offload: OffloadedState | None = None
+        self.offload: OffloadedState | HostOffload | None = None
 
     # -- forward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -178,10 +179,13 @@ class Engine(ABC):
     def _step(self) -> None:
         if self.offload is None:
             self.optimizer.step()
-        else:  # buffer by buffer, each while its state is read back ([Note: offloaded state])
+            self.zero_grad()
+            self.params_from_masters()
+        else:  # buffer by buffer, each brought up to date as it steps: the disk path while
+            # its state is read back ([Note: offloaded state]), the host path copying its
+            # master up ([Note: host offload])
             self.offload.step()
-        self.zero_grad()
-        self.params_from_masters()
+            self.zero_grad()
 
     def params_from_masters(self) -> None:
         """Bring the module's compute-precision parameters up to date with the masters
@@ -291,6 +295,12 @@ class Engine(ABC):
         steps ([Note: offloaded state] in trainer/offload/state.py). The sharding modes
         implement it; build_engine refuses the others first."""
         raise ConfigError(f"mode.offload=disk: mode={self.name} keeps no sharded state to offload")
+
+    def offload_to_host(self) -> None:
+        """mode.offload=host: this rank's masters and optimizer state in host memory,
+        stepped there ([Note: host offload] in trainer/offload/host.py). The sharding
+        modes implement it; build_engine refuses the others first."""
+        raise ConfigError(f"mode.offload=host: mode={self.name} keeps no sharded state to offload")
 
     def _masters_in_memory(self, i: int) -> AbstractContextManager:
         """Inside: shard group i's values (`local`) in memory, where offload moved them."""

@@ -34,6 +34,7 @@ from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
 from trainer.errors import ConfigError
 from trainer.models.materialize import Source, swap_into
+from trainer.offload.host import HostOffload
 from trainer.offload.state import OffloadedState
 from trainer.parallel.calls import CallRecord, reached_leaves
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, optimizer_state_tensors
@@ -77,6 +78,9 @@ class _UnitBuffer(ShardedBuffer):
         self.gather: comm.Handle | None = None  # AllGather in flight into `full`
         self.gather_group: Any = None  # the twin of its shard group, set by the engine
         self.again_group: Any = None  # another twin: gathers for a unit's later calls
+        # mode.offload=host: the master in the compute dtype on the device, what each
+        # unshard gathers, copied up after each step ([Note: host offload])
+        self.device_shard: torch.Tensor | None = None
 
     @property
     def is_full(self) -> bool:  # gathered, or being gathered
@@ -88,10 +92,14 @@ class _UnitBuffer(ShardedBuffer):
         if self.is_full:
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        # a cast copy in mixed precision; int8 quantizes the master itself (sharded.py)
-        mine = (
-            self.master if self.precision.gather_int8 else self.master.detach().to(self.full.dtype)
-        )
+        # a cast copy in mixed precision; int8 quantizes the master itself (sharded.py);
+        # with host offload the master is on the host, its cast copy here (`device_shard`)
+        if self.device_shard is not None:
+            mine = self.device_shard
+        elif self.precision.gather_int8:
+            mine = self.master
+        else:
+            mine = self.master.detach().to(self.full.dtype)
         self.gather = self.gather_full(mine, self.again_group if again else self.gather_group)
 
     def wait(self) -> None:
@@ -607,6 +615,7 @@ class FSDPEngine(Engine):
         return {
             # fp32 slices (the masters too, in mixed precision) and gathered full buffers
             "params": [b.master for b in bufs]
+            + [b.device_shard for b in bufs if b.device_shard is not None]  # host offload
             + [b.full for b in bufs if b.is_full]
             + [p for p in self.module.parameters() if not p.requires_grad],
             "grads": [b.grad_shard for b in bufs if b.grad_shard is not None]
@@ -625,6 +634,18 @@ class FSDPEngine(Engine):
         # The masters stay: every unshard gathers a unit from them, in forward and again
         # in backward, so moving them would read each twice a step to save 4 bytes a value.
         self.offload = OffloadedState(self.optimizer, self._buffers(), False, path)
+
+    def offload_to_host(self) -> None:
+        # The master goes to the host; each unit gathers from a copy in the compute dtype
+        # that the step copies up, instead of casting the master at each unshard.
+        bufs = self._buffers()
+        for b in bufs:
+            b.device_shard = torch.empty_like(b.master, dtype=b.full.dtype).copy_(b.master)
+        self.offload = HostOffload(self.optimizer, bufs, [b.device_shard for b in bufs])
+
+    def params_from_masters(self) -> None:
+        if isinstance(self.offload, HostOffload):  # a loaded checkpoint's masters, up
+            self.offload.copy_all_up()
 
     def _expert_group(self, b: ShardedBuffer) -> Any:
         """An expert buffer's EDP group (pieces.ShardGroup.group); None for the others,

@@ -95,6 +95,9 @@ class ShardedBuffer:
         self.owner_error: torch.Tensor | None = None
         self.n_flags = 0  # used-flag columns its ReduceScatter carries ([Note: used flags])
         self.grad_shard: torch.Tensor | None = None  # (S,) fp32, summed over synced backwards
+        # mode.offload=host: (S,) fp32 host buffer the step copies grad_shard into, and
+        # what the pieces' `.grad` are views of ([Note: host offload] in offload/host.py)
+        self.host_grad: torch.Tensor | None = None
         # In flight while it is reduced: the filled (N, S + n_flags) input, the output of
         # the ReduceScatter (S + n_flags,) and the handle of whichever collective runs.
         self.grad_input: ScatterInput | None = None
@@ -154,8 +157,10 @@ class ShardedBuffer:
 
     def hand_out(self, unused: set[int]) -> None:
         """The pieces' `.grad`: views of `grad_shard`, None where no rank used the
-        parameter since the last step ([Note: used flags] in used.py)."""
-        pieces.hand_out(self.pieces, self.grad_shard, unused)
+        parameter since the last step ([Note: used flags] in used.py). With host offload,
+        views of `host_grad`, which the step fills from `grad_shard`."""
+        on_host = self.host_grad is not None and self.grad_shard is not None
+        pieces.hand_out(self.pieces, self.host_grad if on_host else self.grad_shard, unused)
 
 
 def build_optimizer(factory: OptimizerFactory, buffers: Sequence[ShardedBuffer]) -> Optimizer:

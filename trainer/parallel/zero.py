@@ -28,6 +28,7 @@ from torch import nn
 from trainer import comm
 from trainer.comm import groups as comm_groups
 from trainer.comm.groups import Mesh
+from trainer.offload.host import HostOffload
 from trainer.offload.state import OffloadedState
 from trainer.parallel.buckets import BucketQueue
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, optimizer_state_tensors
@@ -171,8 +172,11 @@ class ZeroEngine(Engine):
 
     def _cast_master(self, b: ShardedBuffer) -> None:
         """Mixed precision ([Note: master weights] in precision.py): the fp32 master
-        slice rounded into this rank's slice of `full`. In fp32 they are one tensor."""
-        if self.precision.mixed and not self.precision.gather_int8:  # int8: from the master
+        slice rounded into this rank's slice of `full`. In fp32 they are one tensor.
+        With host offload the master is on the host: copied up ([Note: host offload])."""
+        if isinstance(self.offload, HostOffload):
+            self.offload.copy_up(self.buckets.index(b))
+        elif self.precision.mixed and not self.precision.gather_int8:  # int8: from the master
             b.param_shard.copy_(b.master)
 
     def offload_state(self, path: Path) -> None:
@@ -181,6 +185,12 @@ class ZeroEngine(Engine):
         # quantizes them after the step.
         move = self.precision.mixed and not self.precision.gather_int8
         self.offload = OffloadedState(self.optimizer, self.buckets, move, path)
+
+    def offload_to_host(self) -> None:
+        # Each bucket's master goes to the host, in fp32 too (where it was a view of the
+        # parameters): the step runs there and copies it up into the slice of `full`.
+        targets = [b.param_shard for b in self.buckets]
+        self.offload = HostOffload(self.optimizer, self.buckets, targets)
 
     def _all_gather_params(self) -> None:
         # Launch all, then wait all: the AllGathers overlap each other. Each rank's input
