@@ -69,6 +69,18 @@ def main(argv: list[str] | None = None) -> None:
         help="mode.offload=disk: GB/s one rank writes to it (2)",
     )
     parser.add_argument(
+        "--host-link-gbps",
+        type=float,
+        default=25.0,
+        help="mode.offload=host: GB/s between device and host, each way (25: PCIe 4.0 x16)",
+    )
+    parser.add_argument(
+        "--host-step-ns",
+        type=float,
+        default=1.0,
+        help="mode.offload=host: ns the host's fused AdamW takes per parameter (1: one core)",
+    )
+    parser.add_argument(
         "--peak-tflops",
         type=float,
         help="peak TFLOP/s of one device in the compute dtype (H100 SXM: 989 bf16, 67 fp32)",
@@ -94,7 +106,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     for name in ("device_gb", "intra_gbps", "inter_gbps", "peak_tflops", "disk_read_gbps",
-                 "disk_write_gbps"):  # fmt: skip
+                 "disk_write_gbps", "host_link_gbps", "host_step_ns"):  # fmt: skip
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be > 0")
@@ -104,6 +116,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return Cluster(
         args.world_size, args.ranks_per_node, args.intra_gbps * 1e9, args.inter_gbps * 1e9,
         peak, args.mfu, args.disk_read_gbps * 1e9, args.disk_write_gbps * 1e9,
+        args.host_link_gbps * 1e9, args.host_step_ns * 1e-9,
     )  # fmt: skip
 
 
@@ -125,8 +138,10 @@ def _header(args: argparse.Namespace, cluster: Cluster, cfgs: dict, result: dict
     nodes = -(-args.world_size // args.ranks_per_node)
     peak = peak_flops(cluster, Precision.of(cfg.precision)) / 1e12
     disk = ""
-    if cfg.mode.get("offload"):
+    if cfg.mode.get("offload") == "disk":
         disk = f"; disk {args.disk_read_gbps:g} GB/s read, {args.disk_write_gbps:g} GB/s write"
+    elif cfg.mode.get("offload") == "host":
+        disk = f"; host link {args.host_link_gbps:g} GB/s, host step {args.host_step_ns:g} ns/param"
     return [
         f"model: {what}; {dtypes}",
         f"cluster: {args.world_size} ranks on {nodes} node(s) of {args.ranks_per_node}; "

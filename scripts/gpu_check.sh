@@ -16,7 +16,10 @@
 #   TOL      max |dparam| allowed, relative to the largest |param| (default 1e-3;
 #            2e-2 with precision=bf16|fp16: their kernels round differently on GPU and
 #            CPU, and cuBLAS reduces bf16 products in reduced precision by default)
-#   MODES    modes to check (default "ddp zero fsdp")
+#   MODES    rows to check: a mode, or mode+host for that mode with mode.offload=host in
+#            the run under test (its reference runs without: the state in host memory,
+#            stepped there, against the plain CPU run). Default "ddp zero fsdp zero+host
+#            fsdp+host" on GPUs, "ddp zero fsdp" with --cpu (offload=host is a GPU path)
 #   CPU_RANKS  ranks of a --cpu run (default 2)
 #   CHECKED_OVERRIDES  Hydra overrides for the run under test only (tests use them to
 #            make it differ from or fail against the reference)
@@ -79,24 +82,29 @@ common=(train.steps="$steps" train.log_every=5 train.eval_every=0 train.save_fin
   train.batch_size=$((32 * nproc)) "$@")
 read -r -a extra <<<"${CHECKED_OVERRIDES:-}"
 
+rows=${MODES:-ddp zero fsdp zero+host fsdp+host}
+[ "$cpu" = 1 ] && rows=${MODES:-ddp zero fsdp}
 failed=()
-for mode in ${MODES:-ddp zero fsdp}; do
-  log_checked="$out/$mode-checked.log" log_ref="$out/$mode-reference.log"
+for row in $rows; do
+  mode=${row%%+*}
+  offload=()
+  [ "$row" != "$mode" ] && offload=(mode.offload="${row#*+}")
+  log_checked="$out/$row-checked.log" log_ref="$out/$row-reference.log"
   if ! env "${checked_env[@]}" "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node="$nproc" train.py mode="$mode" "${checked[@]}" profile=true \
-    "${common[@]}" "${extra[@]}" hydra.run.dir="$out/$mode-checked" >"$log_checked" 2>&1; then
-    echo "$mode: FAILED run under test, see $log_checked"
-    failed+=("$mode")
+    "${common[@]}" "${offload[@]}" "${extra[@]}" hydra.run.dir="$out/$row-checked" >"$log_checked" 2>&1; then
+    echo "$row: FAILED run under test, see $log_checked"
+    failed+=("$row")
     continue
   fi
   if ! CUDA_VISIBLE_DEVICES= "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node="$nproc" train.py mode="$mode" dist.backend=gloo \
-    "${common[@]}" hydra.run.dir="$out/$mode-reference" >"$log_ref" 2>&1; then
-    echo "$mode: FAILED CPU Gloo reference run, see $log_ref"
-    failed+=("$mode")
+    "${common[@]}" hydra.run.dir="$out/$row-reference" >"$log_ref" 2>&1; then
+    echo "$row: FAILED CPU Gloo reference run, see $log_ref"
+    failed+=("$row")
     continue
   fi
-  if ! "$PY" - "$mode" "$out" "$nproc" "$tol" "$what" <<'PYEOF'; then
+  if ! "$PY" - "$row" "$out" "$nproc" "$tol" "$what" <<'PYEOF'; then
 import json, sys
 from pathlib import Path
 import torch
@@ -121,12 +129,12 @@ print(f"{mode}: {'OK' if ok else 'MISMATCH'} {nproc} rank(s) {what}, max |dparam
       f"{m.get('perf/samples_per_s', 0):.0f} samples/s, trace {traces[0] if traces else 'none'}")
 sys.exit(0 if ok else 1)
 PYEOF
-    failed+=("$mode")
+    failed+=("$row")
   fi
 done
 
 if [ ${#failed[@]} -eq 0 ]; then
-  echo "gpu_check: PASS (${MODES:-ddp zero fsdp}; $verdict)"
+  echo "gpu_check: PASS ($rows; $verdict)"
 else
   echo "gpu_check: FAIL (${failed[*]})"
   exit 1

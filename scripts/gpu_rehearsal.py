@@ -132,7 +132,42 @@ def combos() -> list[Combo]:
                 worlds=tuple(w for w in WORLDS if w[1] == 0),
             )
         )
-    # offload=host: not in the trainer yet; its combinations go here once it is.
+    # offload=host ([Note: host offload]): the step on the host, copies on their stream
+    host = ("mode.offload=host",)
+    for mode in ("zero", "fsdp", "fsdp-keep"):
+        for precision in ("fp32", "bf16"):
+            out.append(Combo(f"{mode} offload=host {precision}",
+                             (*modes[mode], *host, f"precision={precision}")))  # fmt: skip
+    out.append(
+        Combo(
+            "zero offload=host bf16, clipping, accumulation, hybrid sharding (S=2)",
+            (
+                "mode=zero",
+                *host,
+                "precision=bf16",
+                "optim.clip_grad_norm=1.0",
+                "train.grad_accum_steps=2",
+                "mode.shard_group_size=2",
+            ),
+            worlds=tuple(w for w in WORLDS if w[0] > 2),
+        )  # fmt: skip
+    )
+    out.append(
+        Combo(
+            "fsdp offload=host MoE expert parallelism (E=2)",
+            ("mode=fsdp", *host, "model=gpt_moe", "mode.expert_parallel=2", "model.n_experts=4"),
+            model="gpt_moe",
+        )
+    )
+    for mode in ("zero", "fsdp"):
+        out.append(
+            Combo(
+                f"{mode} offload=host checkpoint save and resume",
+                (*modes[mode], *host, "precision=bf16"),
+                resume=True,
+                worlds=tuple(w for w in WORLDS if w[1] == 0),
+            )
+        )
     return out
 
 
@@ -393,6 +428,8 @@ CUDA_FUNCTIONS = {
     ("comm/collectives.py", "union_s"),
     ("comm/collectives.py", "_finish_on_comm_stream"),
     ("observe/memory.py", "CudaStepPeak"),
+    ("offload/host.py", "_register"),
+    ("offload/host.py", "_unregister"),
 }
 # Why the rehearsal does not reach a CUDA-only line: (file, first line of its branch)
 NOT_REACHED = {
@@ -400,6 +437,8 @@ NOT_REACHED = {
     "stands a Python process group in for it; scripts/gpu_check.sh runs it",
     "run/profiling.py": "torch.profiler's CUDA activity: kernels only a GPU runs",
     "checkpoint/rng.py": "",
+    "offload/host.py": "cudaHostRegister and its unregister: the driver's, patched out here; "
+    "scripts/gpu_check.sh runs them (mode.offload=host)",
 }
 
 

@@ -21,7 +21,7 @@ from trainer.rehearse import Violation  # noqa: E402
 from trainer.run.guard import Guard  # noqa: E402
 
 
-@pytest.mark.slow  # ~1 minute on an idle 2-core machine: the whole table, 27 rows
+@pytest.mark.slow  # ~1 minute on an idle 2-core machine: the whole table, 37 rows
 def test_every_combination_runs():
     proc = warm_cli.command(
         [sys.executable, str(ROOT / "scripts" / "gpu_rehearsal.py")], timeout=600
@@ -106,3 +106,44 @@ def test_a_new_host_read_in_a_step_fails(tmp_path, monkeypatch):
     with pytest.raises(Violation, match=r"host read of a CUDA value .* in a step") as e:
         rehearse("ddp fp32", tmp_path)
     assert "guard" in str(e.value) or "loop.py" in str(e.value)
+
+
+# -- mode.offload=host ([Note: host offload]): the host's side of its copies ------------------
+
+
+def test_offload_host_passes_unplanted(tmp_path):
+    rehearse("fsdp offload=host bf16", tmp_path, 2, 1)
+
+
+def test_offload_host_stepping_before_its_gradient_arrived_fails(tmp_path, monkeypatch):
+    from trainer.observe import host
+
+    monkeypatch.setattr(host, "wait_event", lambda event, why: None)  # the plant: no wait
+    with pytest.raises(Violation, match=r"(reads|writes) host memory that host offload: gradients"):
+        rehearse("zero offload=host bf16", tmp_path)
+
+
+def test_offload_host_without_the_compute_stream_waiting_for_its_copies_fails(
+    tmp_path, monkeypatch
+):
+    from trainer.offload.host import HostOffload
+
+    monkeypatch.setattr(HostOffload, "_join", lambda self: None)  # the plant
+    with pytest.raises(Violation, match=r"before .*waited for it"):
+        rehearse("zero offload=host fp32", tmp_path)
+
+
+def test_offload_host_reusing_a_buffer_a_copy_still_reads_fails(tmp_path, monkeypatch):
+    from trainer.offload import host as offload_host
+
+    copy_up = offload_host.HostOffload.copy_up
+
+    def early(self, i, join=True):  # the plant: the host cast into the region after its copy
+        copy_up(self, i, join)
+        b = self.buffers[i]
+        if self.targets[i].dtype != b.master.dtype:
+            b.host_grad.view(torch.uint8)[:8].zero_()
+
+    monkeypatch.setattr(offload_host.HostOffload, "copy_up", early)
+    with pytest.raises(Violation, match=r"writes host memory that aten.copy_"):
+        rehearse("fsdp offload=host bf16", tmp_path, 2, 1)

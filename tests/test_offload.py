@@ -135,6 +135,25 @@ def test_what_offload_cannot_do_is_refused_in_one_line(tmp_path, mode, offload, 
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "offload, options, needle",
+    [
+        ("host", {"precision": "fp16"}, "mode.offload=host with precision=fp16 is not built"),
+        ("host", {"gather_dtype": "int8"}, "quantizes the fp32 master on the device"),
+        ("disk", {}, "mode.offload=disk on CUDA is not built: use mode.offload=host"),
+    ],
+)
+def test_what_offload_cannot_do_on_cuda_is_refused_in_one_line(tmp_path, offload, options, needle):
+    from trainer.parallel import build_engine
+
+    model = torch.nn.Linear(4, 4)  # refused on what it is asked, before any CUDA call
+    with pytest.raises(ConfigError) as e:
+        build_engine(model, "zero", torch.optim.SGD, offload=offload, offload_dir=tmp_path,
+                     device="cuda", **options)  # fmt: skip
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not list(tmp_path.iterdir())
+
+
 # -- training: every case without and with offload -------------------------------------------
 
 STEPS = 3
@@ -238,6 +257,9 @@ def _train(env, mode, precision, optim, accum, variant, offload, directory, save
             "regions": 2 * regions,  # a master and a gradient per buffer
             "stepped_in_arena": all(p.untyped_storage().data_ptr() == at for p in steps),
             "host_bytes": engine.offload.host_bytes(),
+            "estimated": _estimate(mode, precision, optim, env.world_size, "host")
+            if variant == "mlp"
+            else None,
             "state_bytes": sum(
                 v.untyped_storage().nbytes()
                 for st in engine.optimizer.state.values()
@@ -271,7 +293,7 @@ def _train(env, mode, precision, optim, accum, variant, offload, directory, save
     }
 
 
-def _estimate(mode: str, precision: str, optim: str, world: int) -> dict:
+def _estimate(mode: str, precision: str, optim: str, world: int, kind: str = "disk") -> dict:
     """What the estimator (trainer/estimate/layout.py) says of this rank 0's offload."""
     from trainer.estimate import layout
     from trainer.parallel.precision import Precision
@@ -281,7 +303,8 @@ def _estimate(mode: str, precision: str, optim: str, world: int) -> dict:
     options = {"bucket_mb": 0.002}
     plan = layout.plan(mode, model, options, _no_decay, world)
     opt = layout.optimizer_state(_optimizer(optim))
-    return layout.offload(plan, Precision.of(precision), opt)
+    of = layout.host_offload if kind == "host" else layout.offload
+    return of(plan, Precision.of(precision), opt)
 
 
 CASES = [
@@ -366,6 +389,10 @@ def test_offload_host_steps_host_masters_in_an_arena_sized_to_the_byte(runs, wor
         assert m["arena"] == m["regions"]  # no rounding up beyond each region's page
         assert m["state_bytes"] > 0  # the moments exist, on the host, beside the arena
         assert m["host_bytes"] == m["arena"] + m["state_bytes"]
+    est = runs(world)[0][case][2]["measured"]["estimated"]  # rank 0's, as the estimator
+    if est is not None:
+        m = runs(world)[0][case][2]["measured"]
+        assert (est["arena_bytes"], est["host_bytes"]) == (m["arena"], m["host_bytes"])
 
 
 @pytest.mark.parametrize("world_case", WORLD_CASES, ids=_case_id)

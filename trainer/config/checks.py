@@ -94,10 +94,16 @@ def validate(cfg: DictConfig, world_size: int) -> None:
     _validate_precision(cfg)
     _validate_ranges(cfg)
     if cfg.mode.get("offload") is not None and cfg.ckpt.get("async"):
+        where = (
+            "which offload=disk keeps it out of; use ckpt.async=false (the save streams the "
+            "offloaded state from its file)"
+            if cfg.mode.offload == "disk"
+            else "beside the state offload=host keeps there; use ckpt.async=false (the save "
+            "reads the host state where it is)"
+        )
         raise ConfigError(
             f"ckpt.async=true with mode.offload={cfg.mode.offload}: an async save copies the "
-            "whole state into host memory, which offload keeps it out of; use ckpt.async=false "
-            "(the save streams the offloaded state from its file)"
+            f"whole state into host memory, {where}"
         )
 
 

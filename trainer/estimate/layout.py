@@ -450,6 +450,37 @@ def offload(p: Plan, precision: Precision, opt: OptimizerState) -> dict[str, int
     }
 
 
+def host_offload(p: Plan, precision: Precision, opt: OptimizerState) -> dict[str, Any]:
+    """mode.offload=host on a GPU ([Note: host offload] in trainer/offload/host.py): host
+    bytes per rank (the pinned arena: a page-aligned fp32 master and gradient region per
+    flat buffer, to the byte what the engine registers; and the optimizer's per-element
+    state), the bytes that leave the device (that state; zero's separate masters in a
+    mixed precision; fsdp's master down to its compute-dtype copy), and the bytes that
+    cross the bus each step (each gradient down in fp32, each master up in the compute
+    dtype)."""
+    b = 2 if precision.mixed else 4
+    arena = states = masters = bus = stepped_params = 0
+    for f in p.flat_buffers:
+        s = f.layout.shard_size(p.shard_of(f))
+        arena += 2 * aligned(s * 4)
+        stepped = _piece_elements(p, f)
+        states += int(stepped * opt.per_element)
+        stepped_params += stepped
+        if p.mode == "zero" and precision.mixed:
+            masters += s * 4
+        elif p.mode == "fsdp":
+            masters += s * (4 - b)
+        bus += s * (4 + b)
+    return {
+        "host_bytes": arena + states,
+        "arena_bytes": arena,
+        "optimizer_on_host_bytes": states,
+        "master_off_device_bytes": masters,
+        "bus_bytes_per_step": bus,
+        "stepped_params": stepped_params,
+    }
+
+
 def _piece_elements(p: Plan, f: Flat) -> int:
     """Elements of the pieces rank 0 steps of sharded buffer `f` (padding is in none)."""
     s = f.layout.shard_size(p.shard_of(f))

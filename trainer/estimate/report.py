@@ -73,9 +73,19 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
                 f"{net_name} sent per rank and step (not in the sent columns"
                 f"{'; in step s' if full else ''})"
             )
-    for mode, f in result.items():  # mode.offload=disk ([Note: offloaded state])
+    for mode, f in result.items():  # mode.offload=disk ([Note: offloaded state]), host
         o = f.get("offload")
-        if o:
+        if o and "host_bytes" in o:  # [Note: host offload]
+            name, size = _unit(o["host_bytes"])
+            lines.append(
+                f"{mode}: offload=host keeps the fp32 masters and the optimizer state in "
+                f"{o['host_bytes'] / size:.2f} {name} of host memory per rank "
+                f"({o['arena_bytes'] / size:.2f} {name} of it pinned; not in the memory "
+                f"columns); each step copies {o['bus_bytes_per_step'] / size:.2f} {name} "
+                f"across the bus and steps on the host: {o['io_s']:.3g} s"
+                f"{', in step s' if full else ''}"
+            )
+        elif o:
             name, size = _unit(max(o["file_bytes"], o["io_bytes_per_step"]))
             moved = (
                 "the optimizer state and the fp32 masters"

@@ -107,6 +107,20 @@ def estimate(
             }
             read_s = offload["io_bytes_per_step"] / 2 / cluster.disk_read_Bps
             offload["io_s"] = read_s + offload["io_bytes_per_step"] / 2 / cluster.disk_write_Bps
+        elif cfg.mode.get("offload") == "host":  # [Note: host offload]: on the host
+            offload = layout.host_offload(plan, precision, opt)
+            kind = "params" if mode == "fsdp" else "master"  # fsdp's master is its params
+            state = {
+                **state,
+                "optimizer": state["optimizer"] - offload["optimizer_on_host_bytes"],
+                kind: state[kind] - offload["master_off_device_bytes"],
+            }
+            # the copies overlap the host's step, buffer by buffer: the longer of the two
+            offload["io_s"] = max(
+                offload["bus_bytes_per_step"] / cluster.host_link_Bps,
+                offload["stepped_params"] * cluster.host_step_s_per_param,
+            )
+            offload["stepping_bytes"] = 0  # its state is on the host the whole time
         sent = collectives(plan, precision, world, k, buffers)
         fig: dict[str, Any] = {
             "params": plan.psi,
@@ -149,7 +163,7 @@ def estimate(
                         plan, sent + dispatch, timing, one.predictions, k, bool(ac), flop_params
                     )
                 )
-                if offload is not None:  # the file's I/O after backward, not overlapped
+                if offload is not None:  # the file's I/O (or the host step) after backward
                     fits["step_s"] += offload["io_s"]
                 if ac is None or ac == bool(first.model.activation_checkpointing):
                     fig["activation_checkpointing"] = ac

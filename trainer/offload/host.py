@@ -134,7 +134,7 @@ class HostOffload:
             b.master, b.pieces = master, pieces  # the device master goes with its last use
         for group in optimizer.param_groups:
             group["params"] = [
-                swapped.get(id(t), t if t.device.type == "cpu" else _host_placeholder(t))
+                swapped[id(t)] if id(t) in swapped else _host_placeholder(t)
                 for t in group["params"]
             ]
         self.last_step = {"wait_s": 0.0, "step_s": 0.0, "bytes": 0}
@@ -142,18 +142,20 @@ class HostOffload:
     # -- copies, on the offload stream ------------------------------------------------------
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
-        if self.stream is None:
+        if self.device.type != "cuda":
             yield
             return
         with torch.cuda.stream(self.stream):
             yield
 
     def _record(self) -> Any:
-        return self.stream.record_event() if self.stream is not None else None
+        if self.device.type == "cuda":
+            return self.stream.record_event()
+        return None
 
     def _copy_down(self) -> list[Any]:
         """Every buffer's gradient shard into its host buffer; one event each."""
-        if self.stream is not None:  # the device's unscale and clipping come first
+        if self.device.type == "cuda":  # the device's unscale and clipping come first
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         events = []
         with self._on_stream():
@@ -168,6 +170,8 @@ class HostOffload:
         target holds a lower precision (into the buffer's gradient region, pinned);
         `join`: the compute stream waits for it (`_join`)."""
         b, target = self.buffers[i], self.targets[i]
+        if join and self.device.type == "cuda":  # on its own: after what reads the target
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         source = b.master
         if target.dtype != source.dtype:
             source = b.host_grad.view(torch.uint8)[: source.numel() * target.element_size()]
@@ -180,7 +184,7 @@ class HostOffload:
     def _join(self) -> None:
         """The compute stream after every copy up: what reads the new parameters, or
         frees a gradient shard the copies down read, comes after."""
-        if self.stream is not None:
+        if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     # -- the step ---------------------------------------------------------------------------
@@ -245,5 +249,5 @@ class HostOffload:
 
 def _host_placeholder(t: torch.Tensor) -> nn.Parameter:
     if t.numel():
-        raise AssertionError("host offload: an optimizer tensor outside every buffer")
+        raise AssertionError(f"host offload: an optimizer tensor of {t.shape} outside every buffer")
     return nn.Parameter(torch.empty(0, dtype=t.dtype))  # a rank whose slice is padding only

@@ -112,7 +112,9 @@ class ShardedBuffer:
 
     @property
     def device(self) -> torch.device:
-        return self.master.device
+        """Where forward, backward and the collectives run: `full`'s device (with host
+        offload, the master is on the host)."""
+        return self.full.device
 
     def gather_full(self, shard: torch.Tensor, group: Any) -> comm.Handle:
         """AllGather every rank's slice into `full`: `shard` (this rank's slice in the

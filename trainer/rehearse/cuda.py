@@ -76,6 +76,7 @@ from trainer.checkpoint import files
 from trainer.comm import collectives
 from trainer.models import materialize
 from trainer.observe import host
+from trainer.offload import host as offload_host
 
 TRAINER = str(Path(trainer.__file__).parent) + "/"
 HERE = str(Path(__file__).parent) + "/"
@@ -259,6 +260,14 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _bytes_of(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes of its storage that `t` spans (contiguous or not)."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    span = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n) + 1
+    return lo, lo + (span * size if t.numel() else 0)
+
+
 def is_fake_cuda(t: Any) -> bool:
     return isinstance(t, FakeTensor) and t.fake_device.type == "cuda"
 
@@ -276,6 +285,10 @@ class Checker:
         self.permitted: list[str] = []  # host.* reads under way
         self.syncs: list[str] = []  # every host read or sync seen, with its reason
         self.ops = 0
+        # Host memory a copy on a stream reads or writes (mode.offload=host's pinned
+        # buffers): its uses by storage, and how far the host has waited on each stream
+        self.host_uses: dict[int, list[tuple[Use, bool, tuple[int, int]]]] = {}
+        self.host_clock: dict[Stream, int] = {}
         self.mode: FakeTensorMode | None = None
         # Made-up results of the host reads the code is meant to make (the fake tensors
         # have no values), by `why`: a function of the tensor read.
@@ -378,6 +391,38 @@ class Checker:
         self.host_read(what)
         for s in self.streams:  # everything queued later is ordered after what finished
             _merge(s.clock, clock)
+        _merge(self.host_clock, clock)
+
+    def host_written(self, t: torch.Tensor, why: str) -> None:
+        """A copy queued on the current stream writes host tensor `t`."""
+        s = current_stream()
+        self._host_use(t, Use(s, s.clock[s], why, where()), True)
+
+    def device_reads_host(self, t: torch.Tensor, s: Stream, what: str) -> None:
+        """An asynchronous copy on stream `s` reads host tensor `t`."""
+        self._host_use(t, Use(s, s.clock[s], what, where()), False)
+
+    def _host_use(self, t: torch.Tensor, use: Use, writes: bool) -> None:
+        self.host_uses.setdefault(_key(t), []).append((use, writes, _bytes_of(t)))
+
+    def host_access(self, t: torch.Tensor, write: bool, what: str) -> None:
+        """The host (an op on CPU tensors) reads or writes `t`: a copy on a stream that
+        writes its bytes, or (for a write) reads them, must be one the host has waited
+        for. By byte range: one pinned arena holds many buffers."""
+        uses = self.host_uses.get(_key(t))
+        if not uses:
+            return
+        left = [u for u in uses if self.host_clock.get(u[0].stream, 0) < u[0].n]
+        self.host_uses[_key(t)] = left
+        lo, hi = _bytes_of(t)
+        for u, copy_writes, (a, b) in left:
+            if (copy_writes or write) and a < hi and lo < b:
+                self.fail(
+                    f"{what} at {where()} {'writes' if write else 'reads'} host memory that "
+                    f"{u.what} (queued on {u.stream} at {u.at}) "
+                    f"{'writes' if copy_writes else 'reads'} before the host waited for it "
+                    "(an event recorded after the copy, waited through trainer/observe/host.py)"
+                )
 
     def value(self, t: torch.Tensor, why: str, kind: str) -> Any:
         make = self.values.get(why)
@@ -486,18 +531,28 @@ class Tracker(TorchDispatchMode):
                 f"{name} at {where()} needs a tensor's values (a host read not through "
                 "trainer/observe/host.py, or a shape that depends on values)"
             )
-        if not cuda_args and not any(is_fake_cuda(t) for t in _leaves(out)):
-            return out
-        s = current_stream()
-        s.tick()
         if func not in self.schemas:
             self.schemas[func] = _schema_of(func)
         schema, fresh = self.schemas[func]
+        if not cuda_args and not any(is_fake_cuda(t) for t in _leaves(out)):
+            if c.host_uses:  # a host op: after the copies of what it touches
+                for i, arg, written in schema:
+                    for t in _leaves(args[i] if i < len(args) else kwargs.get(arg)):
+                        c.host_access(t, written, f"aten.{name}")
+            return out
+        s = current_stream()
+        s.tick()
+        # an asynchronous copy from host memory: the host must not write it until waited
+        from_host = name == "copy_" and bool(
+            args[2] if len(args) > 2 else kwargs.get("non_blocking")
+        )
         for i, arg, written in schema:
             value = args[i] if i < len(args) else kwargs.get(arg)
             for t in _leaves(value):
                 if is_fake_cuda(t):
                     c.access(t, s, written, f"aten.{name}")
+                elif from_host and not written and isinstance(t, FakeTensor):
+                    c.device_reads_host(t, s, f"aten.{name}")
         if fresh:
             for t in _leaves(out):
                 if is_fake_cuda(t):
@@ -778,9 +833,31 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
         finally:
             c.permitted.pop()
 
+    copy_to_host, wait_event = host.copy_to_host, host.wait_event
+
+    def fake_copy_to_host(dst: torch.Tensor, src: torch.Tensor, why: str) -> None:
+        c.permitted.append(why)  # a copy queued on the stream: the wait comes later
+        try:
+            copy_to_host(dst, src, why)
+        finally:
+            c.permitted.pop()
+        c.host_written(dst, why)
+
+    def fake_wait_event(event: Event, why: str) -> None:
+        c.permitted.append(why)
+        try:
+            wait_event(event, why)
+        finally:
+            c.permitted.pop()
+
     patches.set(host, "item", fake_item)
     patches.set(host, "tolist", fake_tolist)
     patches.set(host, "synchronize", fake_synchronize)
+    patches.set(host, "copy_to_host", fake_copy_to_host)
+    patches.set(host, "wait_event", fake_wait_event)
+    # host offload's pinned arena: registered with the driver, which is not here
+    patches.set(offload_host, "_register", lambda t: None)
+    patches.set(offload_host, "_unregister", lambda ptr: None)
 
     _checker = c
     FakeTensorMode.cache_clear()  # results cached under another current device
