@@ -118,8 +118,8 @@ class OffloadedState:
     ):
         if any(b.master.device.type != "cpu" for b in buffers):
             raise ConfigError(
-                "mode.offload=disk steps the optimizer on the CPU, where these masters "
-                "already are not; on CUDA it is not built yet (unset mode.offload)"
+                "mode.offload=disk steps the optimizer on the CPU, where these masters are "
+                "not; on CUDA use mode.offload=host"
             )
         self.optimizer, self.buffers, self.move_masters = optimizer, list(buffers), move_masters
         self.keys = per_element_keys(optimizer)
