@@ -578,3 +578,16 @@ def test_keep_freed_pages_stops_a_steps_page_faults():
     # a user's own malloc setting is left as it is
     kept, faults = _faults_per_round({**env, "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)})
     assert not kept and faults > 3000, faults
+
+
+def test_report_shows_host_offload_beside_the_device():
+    # mode.offload=host: the state's host bytes and the step's waits, only where it is on
+    row = {"params": 4, "master": 0, "grads": 1, "optimizer": 0, "comm": 0, "model_state": 5}
+    rows = [{k: v * MiB for k, v in row.items()} | {"peak": MiB, "host": (16 + r) * MiB,
+            "offload_wait_us": 1500} for r in range(2)]  # fmt: skip
+    out = report(rows, {"host": 16 * MiB}, "cuda")
+    assert out["memory/host_MiB/max"] == 17.0 and out["per_rank/host_MiB/rank0"] == 16.0
+    assert out["memory/expected/host_MiB"] == 16.0
+    assert out["offload/wait_ms_per_step/max"] == 1.5
+    plain = report([{**r, "host": 0, "offload_wait_us": 0} for r in rows], {}, "cuda")
+    assert not [k for k in plain if "host" in k or "offload" in k]
