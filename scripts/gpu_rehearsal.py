@@ -336,6 +336,7 @@ def rehearse(combo: Combo, p: int, rank: int, tmp: Path) -> str:
                 with c.step():
                     loop.train_step(run, start + 1)
             memory.measure(engine)  # the memory figures a run reports
+            engine.full_state_dict(rank0_only=True)  # the final model a run writes
             c.check()
             return f"{c.ops} ops, {len(world.calls)} collectives"
     finally:

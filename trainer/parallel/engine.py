@@ -204,7 +204,9 @@ class Engine(ABC):
         that shard: every rank must call it. `rank0_only`: gathered to rank 0 one group
         at a time, {} on the other ranks ([Note: gathering to rank 0] in pieces.py)."""
         groups = self.shard_groups()
-        whole = dict(pieces.whole_values(groups, self.mesh, rank0_only, self._masters_in_memory))
+        whole = dict(
+            pieces.whole_values(groups, self.mesh, rank0_only, self._masters_in_memory, self.device)
+        )
         if self.experts is not None:  # each rank's experts, then over their EP group
             self.experts.gather_rows(whole, self.device)
         if rank0_only and self.rank != 0:

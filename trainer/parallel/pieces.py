@@ -125,18 +125,23 @@ def whole_values(
     mesh: Mesh,
     rank0_only: bool = False,
     in_memory: Callable[[int], AbstractContextManager] = lambda i: nullcontext(),
+    device: torch.device | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter of `groups` whole, as CPU copies by name, one group at a time: a
     sharded group's slices gathered over the shard group in rank order (a collective:
     every rank takes every item). `rank0_only`: to rank 0 alone, the other ranks get
     nothing ([Note: gathering to rank 0]). `in_memory(i)`: a context inside which group
-    i's `local` is in memory (offloaded masters are read back for it)."""
+    i's `local` is in memory (offloaded masters are read back for it). `device`: where
+    the collectives run, if `local` is elsewhere (host offload's masters on the host:
+    one group at a time is copied there)."""
     for i, g in enumerate(groups):
         with in_memory(i):
-            yield from _whole_group(g, mesh, rank0_only)
+            yield from _whole_group(g, mesh, rank0_only, device)
 
 
-def _whole_group(g: ShardGroup, mesh: Mesh, rank0_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _whole_group(
+    g: ShardGroup, mesh: Mesh, rank0_only: bool, device: torch.device | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     rank = comm.rank()
     # An expert group (its own `group`, parallel/experts.py) is gathered over it on
     # every rank: its values then go on to an AllGather over the EP group.
@@ -145,6 +150,8 @@ def _whole_group(g: ShardGroup, mesh: Mesh, rank0_only: bool) -> Iterator[tuple[
     if g.sharded and rank0_only and rank >= mesh.shard_size and not expert:
         return  # a replica: the first shard group holds the same slices
     flat, full, slices = g.local.detach().reshape(-1), None, None
+    if g.sharded and device is not None and flat.device != device:
+        flat = flat.to(device)  # the collectives' device (NCCL's is the GPU)
     if g.sharded:  # the shard group's slices of the fp32 masters, in rank order
         full = flat.new_empty(g.layout.padded_numel) if keeps else None
         if rank0_only and not expert:

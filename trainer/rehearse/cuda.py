@@ -685,7 +685,8 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
     def to_meta_too(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # C++ sees every fake tensor on meta, so Tensor.to("meta") would return it as it is
         # and to("cuda") would copy a tensor that is there already
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        parsed = {k: v for k, v in kwargs.items() if k != "copy"}  # _parse_to takes no copy=
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **parsed)
         if device is not None and device.type == "meta" and t.fake_device.type != "meta":
             return torch.ops.aten._to_copy.default(t, dtype=dtype or t.dtype, device=device)
         if device is not None and device.type == "cuda" and not kwargs.get("copy", False):
