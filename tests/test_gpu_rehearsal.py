@@ -136,14 +136,14 @@ def test_offload_host_without_the_compute_stream_waiting_for_its_copies_fails(
 def test_offload_host_reusing_a_buffer_a_copy_still_reads_fails(tmp_path, monkeypatch):
     from trainer.offload import host as offload_host
 
-    copy_up = offload_host.HostOffload.copy_up
+    copy_up = offload_host.HostOffload._copy_up
 
-    def early(self, i, join=True):  # the plant: the host cast into the region after its copy
-        copy_up(self, i, join)
+    def early(self, i):  # the plant: the host cast into the region after its copy
+        copy_up(self, i)
         b = self.buffers[i]
         if self.targets[i].dtype != b.master.dtype:
             b.host_grad.view(torch.uint8)[:8].zero_()
 
-    monkeypatch.setattr(offload_host.HostOffload, "copy_up", early)
+    monkeypatch.setattr(offload_host.HostOffload, "_copy_up", early)
     with pytest.raises(Violation, match=r"writes host memory that aten.copy_"):
         rehearse("fsdp offload=host bf16", tmp_path, 2, 1)

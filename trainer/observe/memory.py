@@ -413,7 +413,7 @@ class MemoryMonitor:
                 out[key] += apart
         offload = getattr(self.engine, "offload", None)
         if offload is not None:  # in the file, or on the host (docs/offload.md)
-            on_host = offload.disk_bytes() == 0 and offload.host_bytes() > 0
+            on_host = offload.kind == "host"
             moved = out["optimizer"] + (out["master"] if offload.move_masters or on_host else 0)
             if on_host:  # [Note: host offload]: per rank, the fp32 master and its pinned
                 # gradient beside the state; fsdp's gathered shard stays, in the compute dtype
@@ -427,7 +427,7 @@ class MemoryMonitor:
                 out["master"] = 0.0
             out["model_state"] -= moved
             out["working_set"] -= moved
-            out["disk"] = float(getattr(offload, "nbytes", 0))
+            out["disk"] = 0.0 if on_host else float(offload.nbytes)
         return out
 
     def _split(self) -> tuple[int, int, int]:

@@ -24,7 +24,7 @@ first waits for the compute stream, and an event is recorded per buffer. Buffer 
 buffer, the host waits for that buffer's event (the one wait a host step cannot do
 without: it reads what the copy wrote; through trainer/observe/host.py, so the rehearsal
 sees it asked for), steps that buffer alone (BufferSteps, as the disk path), and queues
-the copy of its updated master up to the device (`copy_up`), which runs while the host
+the copy of its updated master up to the device (`_copy_up`), which runs while the host
 steps the next buffer. In a mixed precision the host casts the master into the buffer's
 gradient region first (free by then, pinned), so the bus carries 2 bytes a value and the
 copy is a plain asynchronous one. Last, the compute stream waits for the offload stream,
@@ -103,6 +103,7 @@ class HostOffload:
     shard), in the compute dtype. Takes over the optimizer's parameters: build it before
     the first step."""
 
+    kind = "host"  # mode.offload's value
     move_masters = False  # nothing goes to a file: the masters' values stay in memory
 
     def __init__(
@@ -138,6 +139,11 @@ class HostOffload:
                 for t in group["params"]
             ]
         self.last_step = {"wait_s": 0.0, "step_s": 0.0, "bytes": 0}
+        # per step: each gradient down in fp32, each master up in its target's dtype
+        self._bytes_per_step = sum(
+            b.shard_numel * (4 + t.element_size())
+            for b, t in zip(self.buffers, self.targets, strict=True)
+        )
 
     # -- copies, on the offload stream ------------------------------------------------------
     @contextlib.contextmanager
@@ -155,8 +161,7 @@ class HostOffload:
 
     def _copy_down(self) -> list[Any]:
         """Every buffer's gradient shard into its host buffer; one event each."""
-        if self.device.type == "cuda":  # the device's unscale and clipping come first
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._follow()
         events = []
         with self._on_stream():
             for b in self.buffers:
@@ -165,21 +170,23 @@ class HostOffload:
                 events.append(self._record())
         return events
 
-    def copy_up(self, i: int, join: bool = True) -> None:
-        """Buffer i's master into its device target, cast on the host first where the
-        target holds a lower precision (into the buffer's gradient region, pinned);
-        `join`: the compute stream waits for it (`_join`)."""
+    def _copy_up(self, i: int) -> None:
+        """Queue buffer i's master into its device target, cast on the host first where
+        the target holds a lower precision (into the buffer's gradient region, pinned);
+        the caller orders the offload stream around it (`_follow`, `_join`)."""
         b, target = self.buffers[i], self.targets[i]
-        if join and self.device.type == "cuda":  # on its own: after what reads the target
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         source = b.master
         if target.dtype != source.dtype:
             source = b.host_grad.view(torch.uint8)[: source.numel() * target.element_size()]
             source = source.view(target.dtype).copy_(b.master)
         with self._on_stream():
             target.copy_(source, non_blocking=True)
-        if join:
-            self._join()
+
+    def _follow(self) -> None:
+        """The offload stream after the compute stream: the device's unscale and clipping
+        of the gradients, and whatever reads the targets now, come first."""
+        if self.device.type == "cuda":
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def _join(self) -> None:
         """The compute stream after every copy up: what reads the new parameters, or
@@ -201,19 +208,20 @@ class HostOffload:
                     host.wait_event(events[i], "host offload: gradient copied down")
                     waited += time.perf_counter() - t0
                 steps.step(i)
-                self.copy_up(i, join=False)
+                self._copy_up(i)
         self._join()
-        moved = sum(b.shard_numel * (4 + t.element_size()) for b, t in self._pairs())
-        self.last_step = {"wait_s": waited, "step_s": time.perf_counter() - start, "bytes": moved}
+        self.last_step = {
+            "wait_s": waited,
+            "step_s": time.perf_counter() - start,
+            "bytes": self._bytes_per_step,
+        }
         steps.done()
-
-    def _pairs(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        return zip(self.buffers, self.targets, strict=True)
 
     def copy_all_up(self) -> None:
         """Every master to the device (after a checkpoint is loaded into them)."""
+        self._follow()
         for i in range(len(self.buffers)):
-            self.copy_up(i, join=False)
+            self._copy_up(i)
         self._join()
 
     # -- what the disk path has, and this one has not -------------------------------------

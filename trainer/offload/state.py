@@ -109,6 +109,8 @@ class OffloadedState:
     `pieces` and `master` (sharded.py's ShardedBuffer), kept in a file at `path` between
     steps ([Note: offloaded state])."""
 
+    kind = "disk"  # mode.offload's value
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

@@ -164,19 +164,21 @@ class ZeroEngine(Engine):
 
     @torch.no_grad()
     def params_from_masters(self) -> None:
-        """The masters into the full parameters: cast, then AllGather."""
-        for i, b in enumerate(self.buckets):
-            with self._masters_in_memory(i):
-                self._cast_master(b)
+        """The masters into the full parameters: cast (host offload: copied up), then
+        AllGather."""
+        if isinstance(self.offload, HostOffload):
+            self.offload.copy_all_up()
+        else:
+            for i, b in enumerate(self.buckets):
+                with self._masters_in_memory(i):
+                    self._cast_master(b)
         self._all_gather_params()
 
     def _cast_master(self, b: ShardedBuffer) -> None:
         """Mixed precision ([Note: master weights] in precision.py): the fp32 master
         slice rounded into this rank's slice of `full`. In fp32 they are one tensor.
-        With host offload the master is on the host: copied up ([Note: host offload])."""
-        if isinstance(self.offload, HostOffload):
-            self.offload.copy_up(self.buckets.index(b))
-        elif self.precision.mixed and not self.precision.gather_int8:  # int8: from the master
+        With host offload the step copies the master up itself ([Note: host offload])."""
+        if self.precision.mixed and not self.precision.gather_int8:  # int8: from the master
             b.param_shard.copy_(b.master)
 
     def offload_state(self, path: Path) -> None:
