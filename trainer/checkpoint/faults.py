@@ -38,6 +38,10 @@ from trainer.errors import ConfigError
 #   fail_in_save  the write of that data file fails there with an OSError (a broken disk)
 #   kill_in_prune SIGKILL halfway through removing a checkpoint that step's save prunes
 #                 (rank 0 prunes: RANK must be 0)
+#   nocommit      under ft, that step's commit fails in this rank's replica group (as if
+#                 its cross-group AllReduce had failed): the step is redone, or healed
+# Under ft, RANK is the rank inside the replica group: set the variable in the
+# environment of the group that is to meet the fault.
 # Without SHARDTRAIN_FAULT_ONCE an entry fires every time its point is reached. With
 # SHARDTRAIN_FAULT_ONCE=DIR each entry fires at most once: it leaves a file in DIR when it
 # fires (`<index>-<rank>-<step>-<action>`, holding the time), so a group that torchrun
@@ -54,6 +58,7 @@ POINTS = {
     "kill_in_save": "save",
     "fail_in_save": "save",
     "kill_in_prune": "prune",
+    "nocommit": "commit",
 }
 
 
@@ -114,6 +119,7 @@ WHAT = {
     "kill_in_save": "SIGKILL halfway through saving step {}",
     "fail_in_save": "a failed write saving step {}",
     "kill_in_prune": "SIGKILL halfway through a prune at step {}",
+    "nocommit": "fails the commit of step {}",
 }
 
 
@@ -141,16 +147,18 @@ def armed() -> bool:
     return bool(os.environ.get(FAULT_ENV))
 
 
-def fault(where: str, step: int, path: Path | None = None) -> None:
-    """[Note: fault injection]. Free unless SHARDTRAIN_FAULT is set."""
+def fault(where: str, step: int, path: Path | None = None) -> bool:
+    """[Note: fault injection]. Free unless SHARDTRAIN_FAULT is set. Returns whether a
+    fault that lets the process go on (`nocommit`) fired."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return False
     rank = comm.rank()
     for entry in parse(spec):
         if (entry.rank, entry.step, POINTS[entry.action]) == (rank, step, where) and _claim(entry):
             _fire(entry, spec, path)
-            return
+            return True
+    return False
 
 
 def _claim(entry: Entry) -> bool:
@@ -174,6 +182,8 @@ def _claim(entry: Entry) -> bool:
 
 def _fire(entry: Entry, spec: str, path: Path | None) -> None:
     action = entry.action
+    if action == "nocommit":  # the caller fails the commit
+        return
     if action == "hang":
         # Stalled: the peers time out (dist.timeout_s) and end; the SIGTERM with which
         # torchrun then stops the group ends this rank too, as it would end one stuck in

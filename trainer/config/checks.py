@@ -62,12 +62,15 @@ def validate(cfg: DictConfig, world_size: int) -> None:
         _positive("mode.bucket_mb", cfg.mode.bucket_mb)
     k = cfg.train.get("grad_accum_steps", 1)
     _whole("train.grad_accum_steps", k, minimum=1)
-    if cfg.train.batch_size % (world_size * k):
+    groups = cfg.ft.replica_groups if cfg.get("ft") and cfg.ft.enabled else 1
+    _validate_ft(cfg, world_size)
+    if cfg.train.batch_size % (world_size * groups * k):
         # Every rank takes batch_size / P samples and cuts them into k equal micro-batches.
         accum = f" x train.grad_accum_steps={k}" if k > 1 else ""
+        across = f" x ft.replica_groups={groups}" if groups > 1 else ""
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} is not divisible by world size "
-            f"{world_size}{accum}; use a multiple of {world_size * k}"
+            f"{world_size}{across}{accum}; use a multiple of {world_size * groups * k}"
         )
     if cfg.mode.get("shard_group_size") is not None:
         from trainer.comm.groups import check_shard_group_size
@@ -104,6 +107,41 @@ def validate(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(
             f"ckpt.async=true with mode.offload={cfg.mode.offload}: an async save copies the "
             f"whole state into host memory, {where}"
+        )
+
+
+def _validate_ft(cfg: DictConfig, world_size: int) -> None:
+    """`ft` ([Note: fault-tolerant replica groups] in trainer/comm/replicas.py): sizes, and
+    what a heal cannot carry, one line each."""
+    ft = cfg.get("ft")
+    if not ft or not ft.enabled:
+        return
+    _whole("ft.replica_groups", ft.replica_groups, minimum=1)
+    if not isinstance(ft.replica_group, int) or not 0 <= ft.replica_group < ft.replica_groups:
+        raise ConfigError(
+            f"ft.replica_group={_show(ft.replica_group)} must be one of 0..{ft.replica_groups - 1} "
+            f"(ft.replica_groups={ft.replica_groups})"
+        )
+    _whole("ft.min_groups", ft.min_groups, minimum=1)
+    if ft.min_groups > ft.replica_groups:
+        raise ConfigError(
+            f"ft.min_groups={ft.min_groups} is more than ft.replica_groups={ft.replica_groups}"
+        )
+    for key in ("timeout_s", "quorum_timeout_s", "join_timeout_s", "connect_timeout_s",
+                "stall_timeout_s"):  # fmt: skip
+        _positive(f"ft.{key}", ft[key])
+    _whole("ft.heartbeat_ms", ft.heartbeat_ms, minimum=1)
+    if cfg.mode.get("offload") is not None:
+        raise ConfigError(
+            f"ft.enabled=true with mode.offload={cfg.mode.offload}: a replica group heals from "
+            "its peer's state in memory, which offload keeps out of it; use mode.offload=null"
+        )
+    speed = cfg.model.get("bias_update_speed") or 0
+    if speed > 0:
+        raise ConfigError(
+            f"ft.enabled=true with model.bias_update_speed={speed}: the routing bias moves "
+            "by the expert counts of its own replica group, so the groups' models would "
+            "drift apart; use the aux loss (model.bias_update_speed=0) under ft"
         )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 
 @dataclass
@@ -74,6 +75,21 @@ class Launcher:
 
 
 @dataclass
+class Ft:
+    enabled: bool = False
+    replica_group: int = 0
+    replica_groups: int = 1
+    min_groups: int = 1
+    lighthouse: str | None = None
+    timeout_s: float = 30.0
+    quorum_timeout_s: float = 60.0
+    join_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    heartbeat_ms: int = 100
+    stall_timeout_s: float = 300.0
+
+
+@dataclass
 class Config:
     mode: Any = None
     model: Any = None
@@ -90,6 +106,7 @@ class Config:
     run: Any = None
     launcher: Launcher = field(default_factory=Launcher)
     comm: Comm = field(default_factory=Comm)
+    ft: Ft = field(default_factory=Ft)
 
 
 # mode/: the options of each engine (trainer/parallel/), as conf/mode/*.yaml sets them.
@@ -188,3 +205,9 @@ for group, choice, node in [
     ("optim", "sgd", SGDOptim),
 ]:
     cs.store(group=group, name=f"{choice}_schema", node=node)
+
+# The run directory's name ends in the replica group under ft (`..._p2_g1`): groups
+# started in the same second would otherwise share a directory (conf/config.yaml).
+OmegaConf.register_new_resolver(
+    "ft_group", lambda enabled, group: f"_g{group}" if enabled else "", replace=True
+)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
@@ -198,6 +198,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             self.batches_per_epoch = math.ceil(dataset_len / global_batch)
         self.epoch = 0
         self.batch_in_epoch = 0
+        self._cached: tuple[int, torch.Tensor] | None = None  # batch_of's epoch, permutation
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed + epoch)
@@ -219,6 +220,17 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 yield batch[lo:hi].tolist()
             self.epoch += 1
             self.batch_in_epoch = 0
+
+    def batch_of(self, position: int, ranks: Sequence[int]) -> list[int]:
+        """The indices that `ranks` take of global batch `position` (counted from epoch 0,
+        batch 0), concatenated in the order given: the same as `__iter__` yields to each
+        of them, drawn from the position alone ([Note: constant global batch])."""
+        epoch, b = divmod(position, self.batches_per_epoch)
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, self._permutation(epoch))
+        batch = self._cached[1][b * self.global_batch : (b + 1) * self.global_batch]
+        n = self.local_batch
+        return [i for r in ranks for i in batch[r * n : (r + 1) * n].tolist()]
 
     def seek(self, batches_done: int) -> None:
         """Position at global batch number `batches_done` counted from epoch 0, batch 0.
@@ -306,3 +318,34 @@ def make_eval_loader(
         shuffle=False,
         pin_memory=torch.cuda.is_available(),
     )
+
+
+class LoaderBatches:
+    """A step's batch from the DataLoader, in order: what a run of one replica group
+    takes (its sampler's position is the step's)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.iterator = iter(loader)  # draws from the RNG: before a resume restores it
+
+    def take(self, step: int, slots: Sequence[int]) -> list[torch.Tensor]:
+        return next(self.iterator)
+
+
+class SlotBatches:
+    """A step's batch drawn from the step alone, for the data slots of the replica groups
+    `slots` ([Note: constant global batch] in comm/replicas.py): rank r of group g takes
+    the sampler's rank g * P + r, so `take(step, (g,))` is what the DataLoader would hand
+    that rank, and more groups concatenate their slots in the order given."""
+
+    def __init__(self, loader: DataLoader, rank: int, ranks_per_group: int) -> None:
+        self.dataset, self.collate = loader.dataset, loader.collate_fn
+        self.sampler = loader.batch_sampler
+        self.rank, self.ranks_per_group = rank, ranks_per_group
+
+    def take(self, step: int, slots: Sequence[int]) -> list[torch.Tensor]:
+        ranks = [g * self.ranks_per_group + self.rank for g in slots]
+        indices = self.sampler.batch_of(step - 1, ranks)  # step 1 takes batch 0
+        self.sampler.seek(step)  # what a checkpoint saves: the next batch, as a loader's
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+        return self.collate(samples)

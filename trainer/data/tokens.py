@@ -21,7 +21,7 @@ import glob
 import hashlib
 import json
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -378,6 +378,12 @@ class WindowSampler(Sampler[list[int]]):
         while True:
             step, self.step = self.step, self.step + 1  # the position names the next batch
             yield self.starts(step)[self.rank * self.local : (self.rank + 1) * self.local].tolist()
+
+    def batch_of(self, position: int, ranks: Sequence[int]) -> list[int]:
+        """The window starts that `ranks` take of global batch `position`, concatenated in
+        the order given ([Note: constant global batch] in comm/replicas.py)."""
+        starts, n = self.starts(position), self.local
+        return [int(s) for r in ranks for s in starts[r * n : (r + 1) * n]]
 
     def seek(self, batches_done: int) -> None:
         self.step = batches_done

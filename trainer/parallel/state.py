@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from trainer.errors import ConfigError
 from trainer.offload.disk import OnDisk
 from trainer.parallel.engine import Engine
 from trainer.parallel.pieces import ShardGroup
@@ -325,3 +326,62 @@ def load_streamed(
 
 def _saved_dtype(v: torch.Tensor) -> torch.dtype:
     return torch.float32 if v.is_floating_point() else v.dtype
+
+
+# [Note: live state] What a replica group that restarted heals from
+# ([Note: fault-tolerant replica groups] in comm/replicas.py): rank r's whole engine state
+# as CPU copies, sent by rank r of a live group, whose layout is the same (the same config
+# and ranks per group, which the groups check). Unlike a checkpoint it holds every group
+# this rank keeps, replicas included, and its own error feedback.
+@torch.no_grad()
+def live_state(engine: Engine) -> dict[str, Any]:
+    """This rank's engine state as CPU copies: each group's `local` values, the
+    optimizer's state_dict, buffers and frozen parameters, error feedback."""
+    if engine.offload is not None:  # checked before the run starts: replicas.py's caller
+        raise ConfigError("live state of an offloaded engine is not kept in memory")
+
+    def copy(v: Any) -> Any:
+        return v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+
+    optim = engine.optimizer.state_dict()
+    module = engine.module.state_dict(keep_vars=True)
+    return {
+        "values": [copy(g.local) for g in engine.shard_groups()],
+        "optimizer": {
+            "state": {i: {k: copy(v) for k, v in s.items()} for i, s in optim["state"].items()},
+            "param_groups": [{k: copy(v) for k, v in g.items()} for g in optim["param_groups"]],
+        },
+        "replicated": {
+            k: engine.frozen.copy(module[k])
+            for k, name in shard_layout(engine)["keys"]
+            if name is None
+        },
+        "feedback": [
+            [copy(getattr(b, attr)) for attr in ("error", "owner_error")]
+            for b in engine.feedback_owners()
+        ],
+    }
+
+
+@torch.no_grad()
+def load_live_state(engine: Engine, state: dict[str, Any]) -> None:
+    """`live_state` of rank r of a peer group into this engine (rank r here)."""
+    groups = engine.shard_groups()
+    if len(groups) != len(state["values"]) or any(
+        g.local.shape != v.shape for g, v in zip(groups, state["values"], strict=True)
+    ):
+        raise ConfigError(
+            "the state a peer replica group sent has another layout than this group's: every "
+            "group of a run needs the same config and ranks per group"
+        )
+    for g, v in zip(groups, state["values"], strict=True):
+        g.local.copy_(v)
+    engine.optimizer.load_state_dict(state["optimizer"])
+    module = engine.module.state_dict(keep_vars=True)
+    for k, value in state["replicated"].items():
+        engine.frozen.load(module[k], value)
+    for b, (error, owner) in zip(engine.feedback_owners(), state["feedback"], strict=True):
+        b.error = None if error is None else error.to(engine.device)
+        if hasattr(b, "owner_error"):
+            b.owner_error = None if owner is None else owner.to(engine.device)
+    engine.params_from_masters()

@@ -4,8 +4,9 @@ or the model family: what a model adds to a step comes through its hooks
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +19,10 @@ from tqdm import tqdm
 
 from trainer import checkpoint, comm
 from trainer.checkpoint import faults
+from trainer.checkpoint.rng import rng_state, set_rng_state
+from trainer.comm.replicas import FaultTolerantReplicas, Replicas, TooFewGroups
 from trainer.config.checks import engine_options, validate
-from trainer.data.datasets import make_eval_loader, make_loader
+from trainer.data.datasets import LoaderBatches, SlotBatches, make_eval_loader, make_loader
 from trainer.data.text import codec_from_meta
 from trainer.data.tokens import read_meta
 from trainer.errors import ConfigError, TrainingError
@@ -33,7 +36,7 @@ from trainer.models.weights import Pretrained
 from trainer.observe import heap
 from trainer.observe.memory import MemoryMonitor, count_params
 from trainer.observe.metrics import IntervalMetrics, Rank0Writer, evaluate, peak_flops
-from trainer.parallel import build_engine, experts
+from trainer.parallel import build_engine, experts, state
 from trainer.parallel.engine import Engine
 from trainer.run import dist as tdist
 from trainer.run import preempt, rundir
@@ -79,6 +82,7 @@ def train_in_group(cfg: DictConfig, env: tdist.DistEnv) -> dict[str, Any]:
     finally:
         checkpoint.drop_save()  # a write still pending on an error: joined, not committed
         run.engine.close()  # an offload file removed
+        run.replicas.close()
 
 
 def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
@@ -86,12 +90,21 @@ def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
     if run.guard.check(preempt.requested())[1]:  # signalled during set-up: stop here
         raise preempt.Stopped.before_training(preempt.signal_name(), start)
     run.bar.update(start)
+    run.done = start
+    run.replicas.load_step(start)  # the step the replica groups count from
     comm.stats.reset()
     run.engine.train()
     every = run.every
     with maybe_profile(cfg.profile, run.run_dir, run.env.rank) as prof:
-        for step in range(start + 1, every.steps + 1):
-            train_step(run, step)
+        while run.done < every.steps:
+            before = run.done
+            try:
+                step = train_step(run, run.done + 1)  # later after a heal
+            except TooFewGroups:  # stop with a checkpoint of the last step taken
+                if run.done > run.start:
+                    save_checkpoint(run, run.done, True)
+                raise
+            run.bar.update(step - before - 1)  # steps a heal brought
             checked = every.check(step)  # checkpoints are saved at check steps only
             stop = check_step(run, step) if checked else False
             if every.log(step):
@@ -153,7 +166,7 @@ class Run:
     owner: rundir.Owner
     engine: Engine
     scheduler: Any
-    batches: Iterator
+    batches: LoaderBatches | SlotBatches  # each step's batch: `take(step, slots)`
     eval_loader: Any
     writer: Rank0Writer
     metrics: IntervalMetrics
@@ -168,6 +181,10 @@ class Run:
     every: Every  # the step counts of the config
     hooks: ModelHooks  # what the model adds to a step ([Note: model hooks])
     start: int = 0  # the step resumed from (0: none)
+    done: int = 0  # the last step taken
+    # the other replica groups of the run ([Note: fault-tolerant replica groups]); one
+    # group without ft
+    replicas: Replicas = field(default_factory=Replicas)
     skipped: int = 0  # steps skipped for a non-finite loss
     tokens_per_step: int = 0  # global tokens per step of a language model (0: not one)
     last: dict[str, float] = field(default_factory=dict)  # the latest logged metrics
@@ -204,7 +221,10 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         check_fit(model, dataset, *names)
     if env.is_rank0:  # what scripts/sample.py and export_hf.py rebuild the model from
         save_model_files(model, run_dir / "model", data_dir(dataset))
-    loader = make_loader(dataset, cfg.train.batch_size, env.rank, env.world_size, cfg.seed)
+    ft = cfg.ft.enabled  # N replica groups of P ranks: the sampler deals N x P slots
+    groups, group = (cfg.ft.replica_groups, cfg.ft.replica_group) if ft else (1, 0)
+    slot, slots = group * env.world_size + env.rank, groups * env.world_size
+    loader = make_loader(dataset, cfg.train.batch_size, slot, slots, cfg.seed)
     eval_loader = None
     if held_out is not None:
         eval_loader = make_eval_loader(
@@ -254,7 +274,8 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     )
     bar = tqdm(total=cfg.train.steps, disable=not env.is_rank0, desc=_run_name(cfg, env))
     lr = scheduler.get_last_lr()[0]
-    batches = iter(loader)  # draws from the RNG: before resuming, which restores it
+    # draws from the RNG: before resuming, which restores it
+    batches = SlotBatches(loader, env.rank, env.world_size) if ft else LoaderBatches(loader)
     resumable = {
         "sampler": loader.batch_sampler,
         "scheduler": scheduler,
@@ -268,6 +289,11 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     # between its last save and its end) runs none, and still reports its tokens seen.
     target = torch.as_tensor(dataset[0][1])  # a class label may be a plain int
     run.tokens_per_step = target.numel() * cfg.train.batch_size if target.dim() > 0 else 0
+    if ft:  # joins the other groups: the last thing built, so a heal finds it all
+        run.replicas = FaultTolerantReplicas(
+            cfg.ft, env.rank, env.world_size, env.device, fingerprint(cfg, env.world_size),
+            lambda: live_state(run), lambda state: load_live_state(run, state),
+        )  # fmt: skip
     if getattr(model, "model_config", None) is not None:  # a language model: sampled
         model_dir = run_dir / "model"
         codec = codec_from_meta(read_meta(model_dir), model_dir) if env.is_rank0 else None
@@ -275,19 +301,34 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     return run
 
 
-def train_step(run: Run, step: int) -> None:
-    """One optimizer step, or a skipped one. No host reads in a steady step: see
-    [Note: checking the loss without a host sync] in guard.py."""
-    engine, every = run.engine, run.every
+def train_step(run: Run, step: int) -> int:
+    """One optimizer step, or a skipped one; returns its number (with replica groups, a
+    later one where this group healed from a peer). No host reads in a steady step: see
+    [Note: checking the loss without a host sync] in guard.py; under ft torchft's commit
+    is one ([Note: fault-tolerant replica groups] in comm/replicas.py)."""
+    engine, every, replicas = run.engine, run.every, run.replicas
     run.metrics.start_step()  # the interval's first step syncs once: [Note: timing steps]
-    inputs, targets = (t.to(run.env.device, non_blocking=True) for t in next(run.batches))
-    loss, correct = forward_backward(engine, inputs, targets, every.grad_accum_steps, run.hooks)
+    while True:  # once without ft; again for a step that did not commit
+        plan = replicas.start_step(step)  # a heal loads a peer's state in here
+        step = plan.step
+        batch = run.batches.take(step, plan.slots)
+        inputs, targets = (t.to(run.env.device, non_blocking=True) for t in batch)
+        loss, correct = forward_backward(
+            engine, inputs, targets, every.grad_accum_steps * len(plan.slots), run.hooks
+        )
+        loss, correct = replicas.reduce(engine, loss, correct, len(plan.slots))
+        if replicas.commit(step):
+            break
+        engine.zero_grad()  # redone, never half-applied
+        run.hooks.after_step(False)
+    run.done = step
+    per_slot = targets.numel() // len(plan.slots)  # what one rank takes of a step
     if every.skip_nonfinite:
         if not run.guard.finite_now(loss):
             engine.zero_grad()  # drop this step's gradients on every rank alike
             run.hooks.after_step(False)  # and what the model kept of it (an MoE's counts)
             run.skipped += 1
-            return
+            return step
     else:
         run.guard.note(loss, step)
     grad_norm = engine.clip_grad_norm_(every.clip) if every.clip else None
@@ -298,15 +339,55 @@ def train_step(run: Run, step: int) -> None:
     run.hooks.after_step(stepped)  # the model's own update (an MoE's routing bias)
     run.scheduler.step(stepped)  # counts taken steps only
     run.lr = if_taken(stepped, lr, run.lr)
-    run.tokens_per_step = targets.numel() * run.env.world_size if targets.dim() > 1 else 0
+    # one rank's slot of each of the N groups: the loss and count `reduce` returned
+    per_rank = per_slot * replicas.groups
+    run.tokens_per_step = per_rank * run.env.world_size if targets.dim() > 1 else 0
     run.metrics.add(
         loss,
         correct,
-        targets.numel(),
-        samples=targets.shape[0],
+        per_rank,
+        samples=targets.shape[0] // len(plan.slots) * replicas.groups,
         grad_norm=grad_norm,
         stepped=stepped,
     )
+    return step
+
+
+def live_state(run: Run) -> dict[str, Any]:
+    """What a replica group heals from ([Note: live state] in parallel/state.py): this
+    rank's engine, schedule, loss scale, RNG and last step, as CPU copies."""
+    lr = run.lr.detach().cpu() if isinstance(run.lr, torch.Tensor) else run.lr
+    return {
+        "step": run.done,
+        "engine": state.live_state(run.engine),
+        "scheduler": run.scheduler.state_dict(),
+        "loss_scaler": run.engine.scaler.state_dict(),
+        "rng": rng_state(),
+        "lr": lr,
+        "skipped": run.skipped,
+    }
+
+
+def load_live_state(run: Run, sent: dict[str, Any]) -> None:
+    """A peer's `live_state` into this rank (rank r of another group, the same layout)."""
+    state.load_live_state(run.engine, sent["engine"])
+    run.scheduler.load_state_dict(sent["scheduler"])
+    run.engine.scaler.load_state_dict(sent["loss_scaler"])
+    set_rng_state(sent["rng"])
+    lr = sent["lr"]
+    run.lr = lr.to(run.env.device) if isinstance(lr, torch.Tensor) else lr
+    run.done, run.skipped = int(sent["step"]), int(sent["skipped"])
+
+
+def fingerprint(cfg: DictConfig, world_size: int) -> int:
+    """What every replica group of one run must share, hashed: the config but for the
+    group's own index and where it writes, and the ranks per group."""
+    keys = ("mode", "model", "data", "optim", "seed", "precision", "loss_scale", "train")
+    shared = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig)
+              else cfg[k] for k in keys}  # fmt: skip
+    shared["ft.replica_groups"], shared["world_size"] = cfg.ft.replica_groups, world_size
+    digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).digest()
+    return int.from_bytes(digest[:5], "big")  # 40 bits: exact in a float64 sum of groups
 
 
 def if_taken(stepped: bool | torch.Tensor, new: Any, old: Any) -> Any:
@@ -321,7 +402,11 @@ def if_taken(stepped: bool | torch.Tensor, new: Any, old: Any) -> Any:
 
 
 def save_checkpoint(run: Run, step: int, force: bool) -> Path | None:
-    """A checkpoint at checkpoint steps, the last step and on a stop."""
+    """A checkpoint at checkpoint steps, the last step and on a stop; with replica
+    groups, by one of them (the lowest in the quorum)."""
+    if not run.replicas.writes_checkpoints():
+        faults.fault("step", step)  # [Note: fault injection], in every group
+        return None
     return checkpoint.maybe_save(
         run.cfg, run.engine, run.run_dir, step, force=force, **run.resumable
     )

@@ -1,0 +1,301 @@
+"""Per-step fault tolerance across replica groups (ft.enabled; [Note: fault-tolerant replica
+groups] in trainer/comm/replicas.py): real processes, one per group (two ranks per group
+for the sharded heal, under torchrun), joined through a Lighthouse this test process runs
+on the loopback address. Every run is held against one process on the whole global batch:
+the constant global batch makes each ft run, whatever its faults, that run's update up to
+the order of the fp32 sums."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.comm.replicas import slots_of
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO
+torchft = pytest.importorskip("torchft", reason="torchft is in make install's extras")
+
+# A small job whose optimizer has state (momentum) that a heal must carry.
+BASE = [
+    "model=mlp", "data=synthetic", "optim=sgd", "optim.momentum=0.9", "optim.lr=0.05",
+    "train.steps=12", "train.log_every=4", "train.batch_size=64", "ckpt.every=0",
+    "train.eval_every=0",
+]  # fmt: skip
+FT = ["ft.enabled=true", "ft.replica_groups=2", "ft.timeout_s=10", "ft.heartbeat_ms=50"]
+
+
+class Lighthouse:
+    """torchft's Lighthouse, in this process, on the loopback address."""
+
+    def __init__(self, min_replicas: int, join_timeout_ms: int = 10_000) -> None:
+        from torchft._torchft import LighthouseServer
+
+        self.server = LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            quorum_tick_ms=10,
+            heartbeat_timeout_ms=500,
+        )
+        self.address = "http://127.0.0.1:" + self.server.address().rsplit(":", 1)[1]
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture
+def lighthouse():
+    made: list[Lighthouse] = []
+
+    def make(min_replicas: int = 2, join_timeout_ms: int = 10_000) -> Lighthouse:
+        made.append(Lighthouse(min_replicas, join_timeout_ms))
+        return made[-1]
+
+    yield make
+    for lh in made:
+        lh.close()
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDTRAIN_FAULT", "RANK"))}
+    return {**env, "RUST_LOG": "warn", **(extra or {})}
+
+
+def _final(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "final_model.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """One process on the whole global batch: what every ft run below must end at."""
+    d = tmp_path_factory.mktemp("reference")
+    r = subprocess.run(
+        [sys.executable, "train.py", *BASE, f"hydra.run.dir={d}"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    return _final(d)
+
+
+def _same_as(reference: dict, got: dict, what: str) -> float:
+    """`got` equals `reference` up to the order of the fp32 sums: a step's gradient is the
+    same mean of the same 64 samples' gradients, summed in another association (a group's
+    two halves before or after the cross-group AllReduce). Each such sum is within
+    ~n * 2^-24 relative of the other; 12 SGD steps of lr 0.05 with momentum carry that
+    forward without amplifying it past 1e-5 relative here (measured: ~1e-7). Returns the
+    largest absolute difference."""
+    worst = 0.0
+    for k, want in reference.items():
+        torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-6, msg=f"{what}: {k}")
+        worst = max(worst, (got[k] - want).abs().max().item())
+    return worst
+
+
+def _equal(a: dict, b: dict) -> None:
+    """The groups end bitwise equal: the same reduced gradients, the same state."""
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_missing_groups_are_dealt_to_the_present_ones():
+    assert slots_of(0, [0, 1, 2, 3], 4) == (0,)
+    assert slots_of(1, [1], 2) == (1, 0)
+    # groups 1 and 3 missing: the first present group takes 1, the second takes 3
+    assert slots_of(0, [0, 2], 4) == (0, 1)
+    assert slots_of(2, [0, 2], 4) == (2, 3)
+    # more missing than present: dealt cyclically
+    assert slots_of(0, [0, 4], 5) == (0, 1, 3)
+    assert slots_of(4, [0, 4], 5) == (4, 2)
+
+
+@pytest.mark.parametrize("data", ["synthetic", "tokens"])
+def test_slot_batches_are_what_the_loader_hands_each_rank(data):
+    """SlotBatches.take(step, groups) concatenates what the DataLoader of rank g*P + r
+    hands out at that step: the slots of a missing group are exactly its samples."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import schema  # noqa: F401  (registers the types)
+    from trainer.data.datasets import SlotBatches, make_loader
+    from trainer.models.build import model_and_data
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", [f"data={data}", "model=gpt" if data == "tokens" else "model=mlp"])
+    _, dataset, _ = model_and_data(cfg, ("m", "d"))
+    groups, per_group, batch = 3, 2, 24
+    loaders = [make_loader(dataset, batch, s, groups * per_group, 0) for s in range(6)]
+    handed = [[next(it) for _ in range(5)] for it in map(iter, loaders)]  # steps 1..5
+    for r in range(per_group):
+        slots = SlotBatches(make_loader(dataset, batch, r, groups * per_group, 0), r, per_group)
+        for step in (1, 4, 5):
+            got = slots.take(step, (2, 0))
+            want = [handed[2 * per_group + r][step - 1], handed[0 * per_group + r][step - 1]]
+            for i in range(2):
+                assert torch.equal(got[i], torch.cat([w[i] for w in want]))
+
+
+def _run(tmp, lh, g, args=(), env=None, nproc=1):
+    log = tmp / f"g{g}-{time.monotonic_ns()}.log"
+    launch = [sys.executable, "train.py"]
+    if nproc > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  f"--nproc-per-node={nproc}", "train.py"]  # fmt: skip
+    argv = [*launch, *BASE, *FT, f"ft.replica_group={g}", f"ft.lighthouse={lh.address}",
+            f"hydra.run.dir={tmp}/g{g}", *args]  # fmt: skip
+    with open(log, "w") as out:
+        p = subprocess.Popen(argv, cwd=ROOT, env=_env(env), stdout=out, stderr=subprocess.STDOUT)
+    p.log = log
+    return p
+
+
+def _done(p: subprocess.Popen, timeout: float = 120) -> str:
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    return p.log.read_text()
+
+
+def test_two_groups_end_where_one_process_does(tmp_path, lighthouse, reference):
+    lh = lighthouse(min_replicas=2)
+    groups = [_run(tmp_path, lh, g) for g in (0, 1)]
+    logs = [_done(p) for p in groups]
+    for p, log in zip(groups, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    a, b = _final(tmp_path / "g0"), _final(tmp_path / "g1")
+    _equal(a, b)
+    _same_as(reference, a, "two groups")
+
+
+def test_a_group_down_leaves_the_global_batch_whole(tmp_path, lighthouse, reference):
+    """Group 1 is killed after step 4 and stays down: group 0 takes its slots from then on,
+    and ends where one process on the whole batch does, having seen the same tokens."""
+    lh = lighthouse(min_replicas=1)
+    g0 = _run(tmp_path, lh, 0)
+    g1 = _run(tmp_path, lh, 1, env={"SHARDTRAIN_FAULT": "0:4:kill"})
+    log1, log0 = _done(g1), _done(g0)
+    assert g1.returncode == -signal.SIGKILL, log1[-2000:]
+    assert g0.returncode == 0, log0[-3000:]
+    assert "group 0: step 5: 1 of 2 replica groups [0]; takes the slots of group(s) [1]" in log0
+    _same_as(reference, _final(tmp_path / "g0"), "one group for the steps after 4")
+
+
+def test_a_killed_group_heals_from_its_peer_and_the_survivor_never_restarts(
+    tmp_path, lighthouse, reference
+):
+    """min_groups=2: the survivor commits nothing while group 1 is down, group 1 comes
+    back as a new process, heals from group 0 (no checkpoint: ckpt.every=0) and both end
+    bitwise equal, where one process ends."""
+    lh = lighthouse(min_replicas=1)
+    args = ["ft.min_groups=2"]
+    g0 = _run(tmp_path, lh, 0, args)
+    g1 = _run(tmp_path, lh, 1, args, env={"SHARDTRAIN_FAULT": "0:5:kill"})
+    log1 = _done(g1)
+    assert g1.returncode == -signal.SIGKILL, log1[-2000:]
+    assert g0.poll() is None  # waiting for a second group, not restarted
+    again = _run(tmp_path, lh, 1, args)
+    log1, log0 = _done(again), _done(g0)
+    assert again.returncode == 0, log1[-3000:]
+    assert g0.returncode == 0, log0[-3000:]
+    assert "group 1: healed from a live peer at step 5" in log1, log1[-2000:]
+    assert not list((tmp_path / "g1").glob("checkpoints/step_*")), "healed without a checkpoint"
+    a, b = _final(tmp_path / "g0"), _final(tmp_path / "g1")
+    _equal(a, b)
+    _same_as(reference, a, "killed and healed")
+
+
+@pytest.mark.parametrize("where", ["both", "one"])
+def test_a_step_that_does_not_commit_is_redone(tmp_path, lighthouse, reference, where):
+    """Step 6's commit fails in both groups (both redo it) or in group 1 alone (group 0
+    commits; group 1 is behind at the next quorum and heals): never half-applied."""
+    lh = lighthouse(min_replicas=2)
+
+    def fault(g: int) -> dict[str, str] | None:  # fires once in each group given one
+        once = {"SHARDTRAIN_FAULT_ONCE": str(tmp_path / f"once{g}")}
+        return {"SHARDTRAIN_FAULT": "0:6:nocommit", **once} if g == 1 or where == "both" else None
+
+    groups = [_run(tmp_path, lh, g, env=fault(g)) for g in (0, 1)]
+    logs = [_done(p) for p in groups]
+    for p, log in zip(groups, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    assert "group 1: step 6 did not commit (RuntimeError: SHARDTRAIN_FAULT" in logs[1]
+    if where == "one":
+        assert "group 1: healed from a live peer at step 6" in logs[1], logs[1][-2000:]
+    a, b = _final(tmp_path / "g0"), _final(tmp_path / "g1")
+    _equal(a, b)
+    _same_as(reference, a, f"no commit in {where}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fsdp", "zero"])
+def test_a_sharded_group_heals_shard_by_shard(tmp_path, lighthouse, reference, mode):
+    """Two groups of two ranks: rank r of the restarted group takes rank r's shard (its
+    slice of the parameters and of the optimizer state) from rank r of the live one."""
+    lh = lighthouse(min_replicas=1)
+    args = [f"mode={mode}", "ft.min_groups=2"]
+    g0 = _run(tmp_path, lh, 0, args, nproc=2)
+    g1 = _run(tmp_path, lh, 1, args, env={"SHARDTRAIN_FAULT": "1:5:kill"}, nproc=2)
+    log1 = _done(g1)
+    assert g1.returncode != 0, log1[-2000:]
+    again = _run(tmp_path, lh, 1, args, nproc=2)
+    log1, log0 = _done(again), _done(g0)
+    assert again.returncode == 0, log1[-3000:]
+    assert g0.returncode == 0, log0[-3000:]
+    assert "group 1: healed from a live peer at step 5" in log1, log1[-2000:]
+    a, b = _final(tmp_path / "g0"), _final(tmp_path / "g1")
+    _equal(a, b)
+    _same_as(reference, a, f"{mode}, healed shard by shard")
+
+
+def test_too_few_groups_for_too_long_stops_with_a_checkpoint_a_plain_run_resumes(
+    tmp_path, lighthouse, reference
+):
+    """min_groups=2 and group 1 gone for good: group 0 stops after ft.stall_timeout_s with
+    a checkpoint of its last step, which a run without ft resumes as any checkpoint, to
+    the end one process reaches."""
+    lh = lighthouse(min_replicas=1)
+    args = ["ft.min_groups=2", "ft.stall_timeout_s=3"]
+    g0 = _run(tmp_path, lh, 0, args)
+    g1 = _run(tmp_path, lh, 1, args, env={"SHARDTRAIN_FAULT": "0:5:kill"})
+    _done(g1)
+    log0 = _done(g0)
+    assert g0.returncode == 1, log0[-3000:]
+    assert "error: ft: 1 of 2 replica groups alive for" in log0, log0[-2000:]
+    assert "longer than ft.stall_timeout_s=3 (ft.min_groups=2): stopping" in log0
+    saved = tmp_path / "g0" / "checkpoints" / "step_000005"
+    assert (saved / "COMPLETE").exists(), log0[-2000:]
+    r = subprocess.run(
+        [sys.executable, "train.py", *BASE, f"resume={saved}", f"hydra.run.dir={tmp_path}/plain"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    _same_as(reference, _final(tmp_path / "plain"), "ft checkpoint resumed without ft")
+
+
+def test_a_group_of_another_config_is_refused(tmp_path, lighthouse):
+    lh = lighthouse(min_replicas=2)
+    groups = [_run(tmp_path, lh, 0), _run(tmp_path, lh, 1, ["seed=1"])]
+    logs = [_done(p) for p in groups]
+    for p, log in zip(groups, logs, strict=True):
+        assert p.returncode == 2, log[-3000:]
+        assert "ft: a replica group of another config or run joined the quorum" in log
+
+
+def test_no_lighthouse_is_one_line(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "train.py", *BASE, *FT, "ft.lighthouse=http://127.0.0.1:9",
+         "ft.connect_timeout_s=1", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "ft.lighthouse=http://127.0.0.1:9: no Lighthouse answers" in lines[0]
+    assert "Traceback" not in r.stderr

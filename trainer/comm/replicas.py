@@ -1,0 +1,406 @@
+"""Replica groups: what a run agrees on across them each step ([Note: fault-tolerant
+replica groups]). Without `ft` a run is one group and every call here is a no-op; with
+`ft.enabled` each group is its own torchrun launch, joined to the others through
+torchft's Manager and a Lighthouse.
+
+    plan = replicas.start_step(step)       # quorum; a group that is behind heals here
+    ... forward and backward of plan.slots' data ...
+    loss, correct = replicas.reduce(grads, loss, correct, len(plan.slots))
+    if replicas.commit(): step the optimizer   # else: drop the gradients, redo the step
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import faults
+from trainer.comm.collectives import stats
+from trainer.errors import ConfigError, TrainingError
+
+# [Note: fault-tolerant replica groups]
+# With `ft.replica_groups=N` the run's replicate dimension is N replica groups, each a
+# torchrun launch of P ranks that trains in its mode as a run of P ranks would (its own
+# process group, its own collectives). Across groups, rank r of every group holds the same
+# state (all of it in ddp, slice r in zero and fsdp), so what crosses is one AllReduce per
+# step of what rank r holds of the gradients: the Manager's process group joins rank r of
+# the groups in the current quorum (torchft reconfigures it when a group leaves or comes
+# back). Each step:
+#
+# 1. `start_step`: the quorum (a blocking RPC to the Lighthouse through group rank 0's
+#    ManagerServer). A group whose step is behind the quorum's newest heals there, before
+#    its forward: rank r receives rank r's state from a live peer (torchft's HTTP
+#    transport, `state_dict`/`load_state_dict` below), no checkpoint read. The quorum's
+#    groups are known from the ranks the process group is configured with.
+# 2. The global batch is cut into N x P slots of batch_size / (N P) samples, slot
+#    g P + r belonging to rank r of group g. [Note: constant global batch]: the slots of
+#    groups missing from the quorum are taken over by the groups present (missing group j
+#    by the j-th present one, cyclically), as more micro-batches, so a step averages the
+#    same samples whoever is alive.
+# 3. `reduce`: each group's gradients (averaged over its own slots) are weighted by
+#    slots / N and summed over the quorum: the mean over all N P slots. The step's loss and
+#    correct count ride along in a second, float64, AllReduce, with one flag per optimizer
+#    tensor ("has a gradient"): groups must agree on which parameters get one.
+# 4. `commit`: torchft's should_commit. The optimizer steps, the schedule and the step
+#    counter advance, and metrics count, only if it is True. Otherwise the gradients are
+#    dropped and the same step is run again, with the quorum of that moment. should_commit
+#    agrees only inside a group: a group that did not commit where another did is behind
+#    at the next quorum, and heals from it (the same update, computed by the peer).
+#
+# Exact: every group present computes its slots as the uninterrupted run would, so the
+# update equals the uninterrupted run's up to the order of the fp32 sums (a survivor sums
+# two groups' micro-batches in backward where the uninterrupted run sums them in the
+# AllReduce), with no sample lost or repeated. Not exact: a model that draws random
+# numbers in its forward (dropout) draws them for the slots it took over in another order.
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What this group computes at a step: `step` (later than asked after a heal) and the
+    groups whose data slots it takes, its own first."""
+
+    step: int
+    slots: tuple[int, ...]
+
+
+def slots_of(me: int, present: list[int], groups: int) -> tuple[int, ...]:
+    """The groups whose slots group `me` computes when the groups `present` (sorted) are in
+    the quorum: its own, then missing group j's for the j-th missing one it is dealt
+    ([Note: constant global batch])."""
+    missing = [g for g in range(groups) if g not in present]
+    extra = [g for j, g in enumerate(missing) if present[j % len(present)] == me]
+    return (me, *extra)
+
+
+class Replicas:
+    """One replica group: nothing to agree on (ft off)."""
+
+    groups = 1  # N
+    index = 0  # this group's index
+
+    def start_step(self, step: int) -> StepPlan:
+        return StepPlan(step, (0,))
+
+    def reduce(
+        self, engine: Any, loss: torch.Tensor, correct: torch.Tensor, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's gradients (`engine.grad_tensors()`), loss and correct count summed
+        over the groups; one group: as they are."""
+        return loss, correct
+
+    def commit(self, step: int) -> bool:
+        return True
+
+    def writes_checkpoints(self) -> bool:
+        return True
+
+    def load_step(self, step: int) -> None:
+        """The step a checkpoint resumed at (the Manager counts committed steps)."""
+
+    def close(self) -> None:
+        pass
+
+
+def _membership_pg(base: type) -> type:
+    """torchft's reconfigurable process group, remembering which groups the quorum
+    configured it with (`global_ranks` are g * P + r for each group g present)."""
+
+    class Membership(base):
+        present: list[int] = []
+        changed = False
+
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None,
+                      group_rank=None, group_world_size=None, global_ranks=None):  # fmt: skip
+            if global_ranks is not None and group_world_size:
+                self.present = sorted(r // group_world_size for r in global_ranks)
+            self.changed = True
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id,
+                              group_rank, group_world_size, global_ranks)  # fmt: skip
+
+    return Membership
+
+
+class FaultTolerantReplicas(Replicas):
+    """N replica groups under torchft ([Note: fault-tolerant replica groups]).
+
+    `state_dict()` returns this rank's whole training state as CPU tensors (what a peer
+    heals from) and `load_state_dict(state)` takes it; both run on the main thread
+    (the quorum is synchronous)."""
+
+    def __init__(
+        self,
+        ft: Any,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        fingerprint: int,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ) -> None:
+        # torchft logs every quorum and commit at INFO (Rust and Python): warnings only,
+        # unless the user asked for more (RUST_LOG, or the loggers' levels set first)
+        os.environ.setdefault("RUST_LOG", "warn")
+        # torchft logs a failed AllReduce with its traceback: this module names it in
+        # one line instead (`commit`)
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+        # torch's own deserializer, as torchft's HTTP transport calls it
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.groups, self.index = int(ft.replica_groups), int(ft.replica_group)
+        self.rank, self.world_size = rank, world_size
+        self.min_groups = int(ft.min_groups)
+        self.stall_s = float(ft.stall_timeout_s)
+        self.fingerprint = fingerprint
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        timeout = timedelta(seconds=float(ft.timeout_s))
+        base = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
+        self.pg = _membership_pg(base)(timeout=timeout)
+        store_addr, store_port = _group_store()
+        lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ConfigError(
+                "ft.enabled=true needs a Lighthouse: set ft.lighthouse=http://HOST:PORT or "
+                "TORCHFT_LIGHTHOUSE (start one with `torchft_lighthouse --min_replicas 1`)"
+            )
+        try:
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=self._heal,
+                state_dict=self._live_state,
+                min_replica_size=self.min_groups,
+                use_async_quorum=False,  # heal before the forward, take part in the step
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=float(ft.quorum_timeout_s)),
+                connect_timeout=timedelta(seconds=float(ft.connect_timeout_s)),
+                rank=rank,
+                world_size=world_size,
+                store_addr=store_addr,
+                store_port=store_port,
+                lighthouse_addr=lighthouse,
+                # torchft reads the group's index from the id's trailing digits
+                replica_id=f"shardtrain_{fingerprint:x}_{self.index}",
+                heartbeat_interval=timedelta(milliseconds=int(ft.heartbeat_ms)),
+                init_sync=False,  # every group builds the same weights from the seed
+            )
+        except Exception as e:
+            raise ConfigError(
+                f"ft.lighthouse={lighthouse}: no Lighthouse answers there within "
+                f"ft.connect_timeout_s={ft.connect_timeout_s} ({_first_line(e)}); start "
+                "one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`"
+            ) from None
+        self.started = self.last_commit = time.monotonic()
+        self.join_s = float(ft.join_timeout_s)
+        self.announced: list[int] = list(range(self.groups))  # the groups last named
+        self.healed_at: int | None = None  # the step a heal brought this group to
+        # a step that commits later than this after the one before is named (a stall)
+        self.slow_s = max(1.0, float(ft.timeout_s) / 10)
+
+    # -- heal ------------------------------------------------------------------------
+    def _live_state(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "state": self._state_dict()}
+
+    def _heal(self, sent: dict[str, Any]) -> None:
+        if sent["fingerprint"] != self.fingerprint:
+            raise ConfigError(
+                f"ft: replica group {self.index} was sent the state of a run of another "
+                f"config (fingerprint {sent['fingerprint']:x}, this one {self.fingerprint:x}): "
+                "every group of a run needs the same config and ranks per group"
+            )
+        started = time.monotonic()
+        self._load_state_dict(sent["state"])
+        self.healed_at = int(sent["state"]["step"])
+        self._say(
+            f"healed from a live peer at step {self.healed_at} (loaded in "
+            f"{time.monotonic() - started:.2f} s)"
+        )
+
+    def load_step(self, step: int) -> None:
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    # -- each step ---------------------------------------------------------------------
+    def start_step(self, step: int) -> StepPlan:
+        while True:
+            self.healed_at = None
+            try:
+                self.manager.start_quorum()  # a heal loads the peer's state in here
+            except ConfigError:
+                raise
+            except Exception as e:  # no quorum within ft.quorum_timeout_s
+                self._stalled(f"no quorum: {_first_line(e)}")
+                continue
+            if self.healed_at is not None:
+                step = self.healed_at + 1
+            present = self.pg.present or [self.index]
+            if self.pg.changed:  # a group joined or left: same config everywhere?
+                self.pg.changed = False
+                if not self._same_config():
+                    continue
+            if len(present) < self.min_groups:
+                self._stalled(f"{len(present)} of {self.groups} replica groups alive")
+                self._skip("too few replica groups")
+                continue
+            waited = time.monotonic() - self.started
+            if step == 1 and len(present) < self.groups and waited < self.join_s:
+                self._skip("a fresh run waits for every group")  # ft.join_timeout_s
+                continue
+            plan = StepPlan(step, slots_of(self.index, present, self.groups))
+            if present != self.announced:  # a group left or came back: said once
+                self.announced = present
+                extra = (
+                    f"; takes the slots of group(s) {list(plan.slots[1:])}"
+                    if plan.slots[1:]
+                    else ""
+                )
+                self._say(
+                    f"step {step}: {len(present)} of {self.groups} replica groups {present}{extra}"
+                )
+            return plan
+
+    def _skip(self, why: str) -> None:
+        """This quorum commits no step (every group present skips it alike)."""
+        self.manager.report_error(RuntimeError(why))
+        self.manager.should_commit()
+        time.sleep(0.05)  # the next quorum: not a busy loop of RPCs
+
+    def _same_config(self) -> bool:
+        """Whether every group in the quorum has this group's fingerprint (False: the
+        check's AllReduce failed, the step is tried again). Refuses another config."""
+        fp = torch.tensor([float(self.fingerprint % (1 << 40)), 1.0], dtype=torch.float64)
+        self.manager.allreduce(fp, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return False
+        count = int(fp[1])
+        if fp[0].item() != count * float(self.fingerprint % (1 << 40)):
+            raise ConfigError(
+                f"ft: a replica group of another config or run joined the quorum of "
+                f"{count} groups (this group's fingerprint {self.fingerprint:x}): every "
+                "group of a run needs the same config and ranks per group, and each run its "
+                "own Lighthouse"
+            )
+        return True
+
+    def _stalled(self, why: str) -> None:
+        waited = time.monotonic() - self.last_commit
+        if waited > self.stall_s:
+            raise TooFewGroups(
+                f"ft: {why} for {waited:.0f} s, longer than ft.stall_timeout_s={self.stall_s:g} "
+                f"(ft.min_groups={self.min_groups}): stopping"
+            )
+
+    def reduce(
+        self, engine: Any, loss: torch.Tensor, correct: torch.Tensor, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum over the quorum of each group's gradients weighted by slots / N, in place;
+        returns this rank position's loss and correct count over all N slots. Refuses
+        gradients that some groups have and others not."""
+        weight = slots / self.groups
+        grads = engine.grad_tensors()[0]
+        flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else None
+        stepped = [p for g in engine.optimizer.param_groups for p in g["params"]]
+        has_grad = torch.tensor([p.grad is not None for p in stepped], dtype=torch.float64)
+        figures = torch.cat(
+            [torch.stack([loss.detach().double() * weight, correct.detach().double()]),
+             has_grad.to(loss.device)]
+        )  # fmt: skip
+        works = []
+        if flat is not None:
+            flat.mul_(weight)
+            works.append(self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM))
+            stats.bytes_sent["ft_allreduce"] += _ring_bytes(flat, self.manager)
+            stats.bytes_across += _ring_bytes(flat, self.manager)
+        works.append(self.manager.allreduce(figures, reduce_op=dist.ReduceOp.SUM))
+        for w in works:
+            w.wait()
+        if self.manager.errored() is not None:
+            return loss, correct  # should_commit says False: the step is redone
+        if flat is not None:
+            offset = 0
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset : offset + n].view_as(g))
+                offset += n
+        # A tensor stepped in some groups and not in others (a parameter used in one
+        # group's batches only) would leave the groups' models different: refused.
+        counts = figures[2:].cpu()
+        n = self.manager.num_participants()
+        split = ((counts != 0) & (counts != n)).nonzero()
+        if len(split):
+            raise TrainingError(
+                f"ft: {len(split)} optimizer tensor(s) (the first #{int(split[0])}) got a "
+                f"gradient in some replica groups only this step: a parameter no sample of a "
+                f"group's batch used; ft needs every group to use the same parameters"
+            )
+        return figures[0].to(loss.dtype), figures[1].to(correct.dtype)
+
+    def commit(self, step: int) -> bool:
+        if faults.fault("commit", step):  # [Note: fault injection]: `nocommit`
+            self.manager.report_error(RuntimeError(f"{faults.FAULT_ENV}: nocommit at step {step}"))
+        error = self.manager.errored()
+        committed = self.manager.should_commit()
+        now = time.monotonic()
+        if not committed:
+            why = _first_line(error.original_exception) if error is not None else "another rank"
+            self._say(f"step {step} did not commit ({why}): redone")
+            self._stalled(f"no step committed ({why})")
+        elif now - self.last_commit > self.slow_s:
+            n = self.manager.num_participants()
+            self._say(
+                f"step {step} committed {now - self.last_commit:.1f} s after the last, with "
+                f"{n} of {self.groups} replica groups"
+            )
+        if committed:
+            self.last_commit = now
+        return committed
+
+    def _say(self, line: str) -> None:
+        """One line on stderr, from rank 0 of the group."""
+        if self.rank == 0:
+            print(f"ft: group {self.index}: {line}", file=sys.stderr, flush=True)
+
+    def writes_checkpoints(self) -> bool:
+        """The lowest group of the quorum writes the run's checkpoints."""
+        return self.index == min(self.pg.present or [self.index])
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class TooFewGroups(TrainingError):
+    """Fewer than ft.min_groups replica groups for longer than ft.stall_timeout_s."""
+
+
+def _ring_bytes(t: torch.Tensor, manager: Any) -> float:
+    n = max(manager.num_participants(), 1)
+    return 2 * (n - 1) / n * t.numel() * t.element_size()
+
+
+def _group_store() -> tuple[str, int]:
+    """The group's TCPStore: torchrun's (MASTER_ADDR/PORT), or one made here for a single
+    process started without torchrun."""
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    global _own_store
+    _own_store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    return "127.0.0.1", _own_store.port
+
+
+_own_store: dist.TCPStore | None = None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
