@@ -71,7 +71,7 @@ def schedules(seed: int, faults: int, runs: int, worlds: list[int]) -> list[list
     at most one per step of a run: two at one step would fire in one group (the first
     kill takes the other's effect with it) or never (a save not written again)."""
     rng = random.Random(seed)
-    kinds = list(POINTS)
+    kinds = [k for k in POINTS if POINTS[k] != "commit"]  # a commit fault is ft's
     deck = (kinds * (faults // len(kinds) + 1))[:faults]
     rng.shuffle(deck)
     out: list[list[str]] = [[] for _ in range(runs)]
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     base = [*ARGS, f"dist.timeout_s={a.timeout_s}"]
     clean: dict[tuple[str, int], tuple[Path, float]] = {}
-    rows, kinds = [], {k: [] for k in POINTS}
+    rows, kinds = [], {k: [] for k in POINTS if POINTS[k] != "commit"}
     ends: dict[str, tuple[bool, bool]] = {}  # per run: (model equal, tokens equal)
     t_all = time.monotonic()
     for (mode, world, async_), plan in zip(configs, plans, strict=True):

@@ -66,6 +66,39 @@ CASES = [
     (["model.num_classes=5"], None, 2, "model=mlp does not fit data=synthetic: targets go up"),
     (["model=gpt"], None, 2, "model=gpt does not fit data=synthetic"),
     (["train.steps=${oc.env:NOPE}"], None, 2, "Environment variable 'NOPE' not found"),
+    # ft ([Note: fault-tolerant replica groups] in trainer/comm/replicas.py)
+    (
+        ["ft.enabled=true", "ft.replica_groups=2", "ft.replica_group=2"],
+        None,
+        2,
+        "ft.replica_group=2 must be one of 0..1 (ft.replica_groups=2)",
+    ),
+    (
+        ["ft.enabled=true", "ft.replica_groups=2", "ft.min_groups=3"],
+        None,
+        2,
+        "ft.min_groups=3 is more than ft.replica_groups=2",
+    ),
+    (
+        ["ft.enabled=true", "ft.replica_groups=3", "train.batch_size=64"],
+        2,
+        2,
+        "train.batch_size=64 is not divisible by world size 2 x ft.replica_groups=3",
+    ),
+    (["ft.enabled=true", "ft.stall_timeout_s=0"], None, 2, "ft.stall_timeout_s=0 must be a pos"),
+    (
+        ["ft.enabled=true", "mode=zero", "mode.offload=disk"],
+        None,
+        2,
+        "ft.enabled=true with mode.offload=disk: a replica group heals from",
+    ),
+    (
+        ["ft.enabled=true", "model=gpt_moe", "data=tokens", "model.bias_update_speed=0.001"],
+        None,
+        2,
+        "ft.enabled=true with model.bias_update_speed=0.001: the routing bias",
+    ),
+    (["ft.enabled=true", "ft.lighthouse=null"], None, 2, "ft.enabled=true needs a Lighthouse"),
 ]
 
 

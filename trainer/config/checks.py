@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,10 @@ def validate(cfg: DictConfig, world_size: int) -> None:
         _positive("mode.bucket_mb", cfg.mode.bucket_mb)
     k = cfg.train.get("grad_accum_steps", 1)
     _whole("train.grad_accum_steps", k, minimum=1)
-    groups = cfg.ft.replica_groups if cfg.get("ft") and cfg.ft.enabled else 1
-    _validate_ft(cfg, world_size)
+    groups = 1  # replica groups under ft: the global batch is cut over all their ranks
+    if cfg.get("ft") and cfg.ft.enabled:
+        _whole("ft.replica_groups", cfg.ft.replica_groups, minimum=1)
+        groups = cfg.ft.replica_groups
     if cfg.train.batch_size % (world_size * groups * k):
         # Every rank takes batch_size / P samples and cuts them into k equal micro-batches.
         accum = f" x train.grad_accum_steps={k}" if k > 1 else ""
@@ -72,6 +75,7 @@ def validate(cfg: DictConfig, world_size: int) -> None:
             f"train.batch_size={cfg.train.batch_size} is not divisible by world size "
             f"{world_size}{across}{accum}; use a multiple of {world_size * groups * k}"
         )
+    _validate_ft(cfg, world_size)
     if cfg.mode.get("shard_group_size") is not None:
         from trainer.comm.groups import check_shard_group_size
 
@@ -142,6 +146,11 @@ def _validate_ft(cfg: DictConfig, world_size: int) -> None:
             f"ft.enabled=true with model.bias_update_speed={speed}: the routing bias moves "
             "by the expert counts of its own replica group, so the groups' models would "
             "drift apart; use the aux loss (model.bias_update_speed=0) under ft"
+        )
+    if not ft.lighthouse and not os.environ.get("TORCHFT_LIGHTHOUSE"):
+        raise ConfigError(
+            "ft.enabled=true needs a Lighthouse: set ft.lighthouse=http://HOST:PORT or "
+            "TORCHFT_LIGHTHOUSE (start one with `torchft_lighthouse --min_replicas 1`)"
         )
 
 
