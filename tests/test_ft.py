@@ -299,3 +299,85 @@ def test_no_lighthouse_is_one_line(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "ft.lighthouse=http://127.0.0.1:9: no Lighthouse answers" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+class _TwoGroups:
+    """A stand-in for torchft's Manager in one process: its AllReduce adds what the other
+    group sends (`theirs`, one tensor per call, in call order; zeros with no other group
+    in the quorum, `participants=1`)."""
+
+    def __init__(self, theirs: list[torch.Tensor], participants: int = 2) -> None:
+        self.theirs, self.error, self.participants = list(theirs), None, participants
+
+    def allreduce(self, t: torch.Tensor, reduce_op=None):
+        t.add_(self.theirs.pop(0).to(t.dtype))
+
+        class Done:
+            def wait(self) -> None:
+                pass
+
+        return Done()
+
+    def errored(self):
+        return self.error
+
+    def num_participants(self) -> int:
+        return self.participants
+
+
+def _replicas(manager: _TwoGroups):
+    from trainer.comm.replicas import FaultTolerantReplicas
+
+    r = object.__new__(FaultTolerantReplicas)  # the Manager and Lighthouse left out
+    r.groups, r.index, r.manager = 2, 0, manager
+    return r
+
+
+def _engine(grads: list[torch.Tensor | None]):
+    from types import SimpleNamespace
+
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    return SimpleNamespace(
+        optimizer=SimpleNamespace(param_groups=[{"params": params}]),
+        grad_tensors=lambda: ([g for g in grads if g is not None], False),
+    )
+
+
+def test_reduce_weights_each_group_by_its_slots_and_sums():
+    """Group 1 is missing and group 0 took its slot (2 slots of N=2): weighted 2/2, the
+    result is group 0's own mean gradient and loss over both slots, and its count."""
+    g = torch.tensor([1.0, 2.0, 3.0])
+    r = _replicas(_TwoGroups([torch.zeros(3), torch.zeros(2 + 1)], participants=1))
+    loss, correct = r.reduce(_engine([g]), torch.tensor(0.5), torch.tensor(7.0), slots=2)
+    assert torch.equal(g, torch.tensor([1.0, 2.0, 3.0])) and loss.item() == 0.5
+    assert correct.item() == 7.0
+    # two groups with one slot each: the mean of the two
+    mine, theirs = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 2.0, 1.0])
+    figures = torch.tensor([0.25 * 0.5, 4.0, 1.0], dtype=torch.float64)  # loss 0.25, 4 right
+    r = _replicas(_TwoGroups([theirs * 0.5, figures]))
+    loss, correct = r.reduce(_engine([mine]), torch.tensor(0.75), torch.tensor(3.0), slots=1)
+    assert torch.equal(mine, torch.tensor([2.0, 2.0, 2.0]))
+    assert loss.item() == 0.5 and correct.item() == 7.0
+
+
+def test_reduce_refuses_a_gradient_some_groups_have_and_others_not():
+    from trainer.errors import TrainingError
+
+    # this group has a gradient for tensor 1, the other group (flags 0) does not
+    figures = torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    r = _replicas(_TwoGroups([torch.zeros(6), figures]))
+    with pytest.raises(TrainingError, match=r"1 optimizer tensor\(s\) \(the first #1\) got a"):
+        r.reduce(_engine([torch.ones(3), torch.ones(3)]), torch.tensor(1.0), torch.tensor(1.0), 1)
+    # a tensor no group gave a gradient (flags 0 everywhere) is no disagreement
+    r = _replicas(_TwoGroups([torch.zeros(3), torch.tensor([0.0, 0.0, 1.0, 0.0]).double()]))
+    r.reduce(_engine([torch.ones(3), None]), torch.tensor(1.0), torch.tensor(1.0), 1)
+
+
+def test_a_failed_reduce_changes_no_gradient():
+    g = torch.tensor([1.0, 2.0, 3.0])
+    manager = _TwoGroups([torch.full((3,), 9.0), torch.zeros(3, dtype=torch.float64)])
+    manager.error = RuntimeError("peer died")
+    loss, _ = _replicas(manager).reduce(_engine([g]), torch.tensor(0.5), torch.tensor(1.0), 1)
+    assert torch.equal(g, torch.tensor([1.0, 2.0, 3.0])) and loss.item() == 0.5
