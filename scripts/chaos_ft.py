@@ -93,6 +93,7 @@ class Lighthouse:
     """torchft's Lighthouse in this process, on 127.0.0.1 (a fresh one per run)."""
 
     def __init__(self, tick_ms: int) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # it logs every quorum at INFO
         from torchft._torchft import LighthouseServer
 
         self.server = LighthouseServer(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 import warnings
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import faults
-from trainer.comm.collectives import stats
+from trainer.comm.collectives import broadcast_object, stats
 from trainer.errors import ConfigError, TrainingError
 
 # [Note: fault-tolerant replica groups]
@@ -169,7 +170,7 @@ class FaultTolerantReplicas(Replicas):
         timeout = timedelta(seconds=float(ft.timeout_s))
         base = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
         self.pg = _membership_pg(base)(timeout=timeout)
-        store_addr, store_port = _group_store()
+        store_addr, store_port = _group_store(rank)
         lighthouse = ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]  # checks.py: one of them
         try:
             self.manager = Manager(
@@ -231,7 +232,11 @@ class FaultTolerantReplicas(Replicas):
             except ConfigError:
                 raise
             except Exception as e:  # no quorum within ft.quorum_timeout_s
+                # torchft 0.2.0 keeps the failed quorum and raises it again at every later
+                # start_quorum: forgotten, so that the next one can succeed
+                self.manager._quorum_future = None
                 self._stalled(f"no quorum: {_first_line(e)}")
+                time.sleep(0.1)
                 continue
             if self.healed_at is not None:
                 step = self.healed_at + 1
@@ -385,14 +390,19 @@ def _ring_bytes(t: torch.Tensor, manager: Any) -> float:
     return 2 * (n - 1) / n * t.numel() * t.element_size()
 
 
-def _group_store() -> tuple[str, int]:
-    """The group's TCPStore: torchrun's (MASTER_ADDR/PORT), or one made here for a single
-    process started without torchrun."""
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+def _group_store(rank: int) -> tuple[str, int]:
+    """A TCPStore of the group's own for its Managers, hosted by rank 0 and new with each
+    launch. Not torchrun's: its store outlives a restart of the group's workers
+    (`--max-restarts`), and a restarted rank could read the dead attempt's ManagerServer
+    address there before rank 0 replaced it, and fail to connect. Every rank calls it."""
     global _own_store
-    _own_store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    return "127.0.0.1", _own_store.port
+    where: list[Any] = [None]
+    if rank == 0:
+        _own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        where = [(socket.gethostname() if dist.get_world_size() > 1 else "127.0.0.1",
+                  _own_store.port)]  # fmt: skip
+    broadcast_object(where)
+    return where[0]
 
 
 _own_store: dist.TCPStore | None = None
