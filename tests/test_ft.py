@@ -141,12 +141,15 @@ def test_slot_batches_are_what_the_loader_hands_each_rank(data):
                 assert torch.equal(got[i], torch.cat([w[i] for w in want]))
 
 
-def _run(tmp, lh, g, args=(), env=None, nproc=1):
+def _run(tmp, lh, g, args=(), env=None, nproc=1, restarts=0):
+    """Replica group g as a job of its own: `python train.py`, or torchrun for nproc > 1
+    (restarting its workers up to `restarts` times)."""
     log = tmp / f"g{g}-{time.monotonic_ns()}.log"
     launch = [sys.executable, "train.py"]
     if nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc-per-node={nproc}", "train.py"]  # fmt: skip
+                  f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
+                  "train.py"]  # fmt: skip
     argv = [*launch, *BASE, *FT, f"ft.replica_group={g}", f"ft.lighthouse={lh.address}",
             f"hydra.run.dir={tmp}/g{g}", *args]  # fmt: skip
     with open(log, "w") as out:
@@ -238,14 +241,20 @@ def test_a_step_that_does_not_commit_is_redone(tmp_path, lighthouse, reference, 
 @pytest.mark.parametrize("mode", ["fsdp", "zero"])
 def test_a_sharded_group_heals_shard_by_shard(tmp_path, lighthouse, reference, mode):
     """Two groups of two ranks: rank r of the restarted group takes rank r's shard (its
-    slice of the parameters and of the optimizer state) from rank r of the live one."""
+    slice of the parameters and of the optimizer state) from rank r of the live one.
+    fsdp: the group is launched again; zero: its own torchrun restarts its workers
+    (`--max-restarts`, its store kept from the attempt that died)."""
     lh = lighthouse(min_replicas=1)
     args = [f"mode={mode}", "ft.min_groups=2"]
     g0 = _run(tmp_path, lh, 0, args, nproc=2)
-    g1 = _run(tmp_path, lh, 1, args, env={"SHARDTRAIN_FAULT": "1:5:kill"}, nproc=2)
-    log1 = _done(g1)
-    assert g1.returncode != 0, log1[-2000:]
-    again = _run(tmp_path, lh, 1, args, nproc=2)
+    fault = {"SHARDTRAIN_FAULT": "1:5:kill", "SHARDTRAIN_FAULT_ONCE": str(tmp_path / "once")}
+    if mode == "zero":
+        again = _run(tmp_path, lh, 1, args, env=fault, nproc=2, restarts=1)
+    else:
+        g1 = _run(tmp_path, lh, 1, args, env=fault, nproc=2)
+        log1 = _done(g1)
+        assert g1.returncode != 0, log1[-2000:]
+        again = _run(tmp_path, lh, 1, args, nproc=2)
     log1, log0 = _done(again), _done(g0)
     assert again.returncode == 0, log1[-3000:]
     assert g0.returncode == 0, log0[-3000:]
