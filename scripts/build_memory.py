@@ -191,7 +191,7 @@ def worker(args: argparse.Namespace) -> None:
     train_step, log_metrics, finish = loop.train_step, loop.log_metrics, loop.finish
     first: list[int] = []
 
-    def step_hook(run, step: int) -> None:
+    def step_hook(run, step: int) -> int:
         if not first:
             first.append(step)
             status = proc_status()
@@ -209,8 +209,9 @@ def worker(args: argparse.Namespace) -> None:
                 torch.distributed.barrier()
                 os._exit(0)
         t = time.perf_counter()
-        train_step(run, step)
+        step = train_step(run, step)
         rec.setdefault("step_s", []).append(time.perf_counter() - t)
+        return step
 
     def log_hook(run, step: int) -> None:
         log_metrics(run, step)

@@ -2,22 +2,26 @@
 trainer/comm/replicas.py), against the same kills under plain torchrun restarts.
 
     nice python scripts/chaos_ft.py --kills 10 --modes ddp,fsdp --seed 0 --out runs/chaos_ft
-    python scripts/chaos_ft.py --kills 4 --modes ddp --steps 600 --overhead-reps 1
+    python scripts/chaos_ft.py --kills 4 --modes ddp --overhead-reps 1
 
-Per mode, two replica groups (ddp: 1 rank each; fsdp: 2 ranks each, sharded inside a
-group and replicated across: hybrid) train a small GPT through a Lighthouse this process
-runs on 127.0.0.1. `--kills` SIGKILLs (SHARDTRAIN_FAULT, once each) are dealt alternately
-to group 0 and group 1 at seeded steps spread over the first 70% of the run, at least
-`--gap` steps apart (the survivor trains alone while the killed group restarts, and must
-not meet its own kill before the other is back). This script is the groups' supervisor:
-a group whose process exits non-zero is started again (a fresh process, healing from the
-live group), until both exit 0. Every output line is timestamped as it arrives, giving
-per kill: the survivor's stall (its `committed X s after the last` figure at the step it
-lost the group and at the step the group came back: the larger; under the trainer's 0.5 s
-threshold it prints none and 0 is counted), the steps the job recomputed (each `did not
-commit` redo is one; a heal to a step below the killed one would add the difference), the
-heal (the `healed ... in X s` figure: quorum, state sent and loaded) and the seconds from
-the relaunch to that heal line (the interpreter's start and imports included).
+Per mode, two replica groups (ddp: 1 rank each; fsdp: 2 ranks each, sharded inside a group
+and replicated across: hybrid) train a small GPT through a Lighthouse this process runs on
+127.0.0.1. `--kills` SIGKILLs (SHARDTRAIN_FAULT, once each) are dealt alternately to group
+0 and group 1 at seeded steps spread over the first 70% of the run, at least `--gap` steps
+apart (the survivor trains alone while the killed group restarts, and must not meet its
+own kill before the other is back: with this tiny model it runs ~200 steps/s alone, and a
+1-rank group takes 3-8 s from its exit to its heal, the longer on a busy machine);
+train.steps is what puts the kills in
+70% of the run with a quarter of `--gap` left to the draw. This script is the groups'
+supervisor: a group whose process exits non-zero is started again (a fresh process,
+healing from the live group), until both exit 0. Every output line is timestamped as it
+arrives, giving per kill: the survivor's stall (its `committed X s after the last` figure
+at the step it lost the group and at the step the group came back: the larger; under the
+trainer's 0.5 s threshold it prints none and 0 is counted), the steps the job recomputed
+(each `did not commit` redo is one; a heal to a step below the killed one would add the
+difference), the heal (the `healed ... in X s` figure: quorum, state sent and loaded) and
+the seconds from the relaunch to that heal line (the interpreter's start and imports
+included).
 
 The same run without faults and one process without ft (same config, whole global batch)
 are the references: both groups of the faulty run must end bitwise equal to each other and
@@ -31,14 +35,15 @@ uninterrupted 2 x 1 ft run against torchrun of 2 ranks, same global batch, alter
 (final_metrics.json), for the GPT above and a bigger one.
 
 Written to <out>/chaos_ft.md; logs and run directories stay under <out>. Exits 1 if a
-faulty run did not end with both groups equal and within 1e-4 of the uninterrupted one,
-or with other tokens seen.
+faulty run did not end with both groups equal and within 1e-4 of the uninterrupted one, or
+with other tokens seen.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -123,9 +128,12 @@ class Life:
     reader: threading.Thread | None = None
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """A group's environment: no fault of this process's own, and one intra-op thread per
+    rank as torchrun gives each of its workers (two 2-thread processes on 2 cores are
+    several times slower a step)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDTRAIN_FAULT", "RANK"))}
-    return {**env, "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1", **(extra or {})}
+    return {**env, "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def read_lines(life: Life, log: Path) -> None:
@@ -273,6 +281,7 @@ class FaultRow:
     step: int
     stall_lost: float
     stall_back: float
+    fault_to_exit_s: float | None
     recomputed: int | None
     heal_s: float | None
     relaunch_to_heal_s: float | None
@@ -287,9 +296,10 @@ def fault_rows(lives: list[Life], run_dir: Path) -> list[FaultRow]:
     for k, (tf, g, step) in enumerate(kills):
         t_next = kills[k + 1][0] if k + 1 < len(kills) else float("inf")
         survivor = 1 - g
-        row = FaultRow(g, step, 0.0, 0.0, None, None, None, None)
-        if sum(x.group == survivor and tf <= x.started < t_next for x in lives):
-            row.notes.append(f"group {survivor} restarted too")
+        row = FaultRow(g, step, 0.0, 0.0, None, None, None, None, None)
+        died = [x for x in lives if x.group == g and x.started < tf and x.ended and x.ended >= tf]
+        if died:
+            row.fault_to_exit_s = died[0].ended - tf
         members = [
             (t, int(s), int(n))
             for t, (s, n) in ft_events(lives, survivor, MEMBERS)
@@ -303,6 +313,9 @@ def fault_rows(lives: list[Life], run_dir: Path) -> list[FaultRow]:
             row.stall_back = stall_at(lives, survivor, back[0][1], back[0][0])
         again = [x for x in lives if x.group == g and x.started >= tf]
         heal = ft_events(again[:1], g, HEALED)
+        first_of_two = not heal and k + 1 < len(kills) and kills[k + 1][1] == survivor
+        if first_of_two:  # the survivor met its own kill first: no live state left
+            row.notes.append(f"group {survivor} killed (kill {k + 2}) before this group healed")
         if heal:
             t_heal, (h_step, h_secs) = heal[0]
             row.heal_s = float(h_secs)
@@ -315,7 +328,10 @@ def fault_rows(lives: list[Life], run_dir: Path) -> list[FaultRow]:
                 if tf <= t < t_next
             )
             row.recomputed = redone + max(0, step - int(h_step))
-        else:
+        elif rows and rows[-1].group == survivor and rows[-1].heal_s is None:
+            row.recomputed = step  # ckpt.every=0: both groups started again from step 0
+            row.notes.append("both groups down: the run started again from step 0")
+        elif not first_of_two:
             row.notes.append(f"group {g} never healed")
         rows.append(row)
     return rows
@@ -457,8 +473,9 @@ class ModeResult:
 def report(results: list[ModeResult], over: list[tuple], a: argparse.Namespace, head: str) -> str:
     per_fault = [
         "| mode | fault | group killed | step | survivor stall s (lost / back) | steps "
-        "recomputed | heal s (transfer+load) | s relaunch -> healed | s fault -> healed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "recomputed | heal s (transfer+load) | s relaunch -> healed | s fault -> group exited "
+        "| s fault -> healed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         for i, f in enumerate(r.rows, 1):
@@ -467,14 +484,16 @@ def report(results: list[ModeResult], over: list[tuple], a: argparse.Namespace, 
                 f"| {r.mode} | {i} | {f.group} | {f.step} | "
                 f"{max(f.stall_lost, f.stall_back):.1f} ({f.stall_lost:.1f} / {f.stall_back:.1f}) "
                 f"| {fmt(f.recomputed, 'd')}{note} | {fmt(f.heal_s)} | "
-                f"{fmt(f.relaunch_to_heal_s, '.1f')} | {fmt(f.fault_to_heal_s, '.1f')} |"
+                f"{fmt(f.relaunch_to_heal_s, '.1f')} | {fmt(f.fault_to_exit_s, '.1f')} | "
+                f"{fmt(f.fault_to_heal_s, '.1f')} |"
             )
     summary = [
         "| mode | kills fired ft / torchrun | ft: mean survivor stall s | ft: mean s fault -> "
         "healed | torchrun: mean s fault -> resume | steps lost ft (sum) | steps recomputed "
         "torchrun (sum) | max abs diff to uninterrupted (rel) | to one process (rel) | "
+        "uninterrupted to one process (rel) | "
         "groups bitwise equal | tokens equal |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in results:
         stalls = mean([max(f.stall_lost, f.stall_back) for f in r.rows])
@@ -483,8 +502,9 @@ def report(results: list[ModeResult], over: list[tuple], a: argparse.Namespace, 
             f"| {r.mode} | {len(r.rows)} / {len(r.torchrun)} | {fmt(stalls)} | "
             f"{fmt(mean([f.fault_to_heal_s for f in r.rows]), '.1f')} | "
             f"{fmt(mean([s for _, s in r.torchrun]), '.1f')} | "
-            f"{'-' if None in lost else sum(lost)} | {sum(n for n, _ in r.torchrun)} | "
+            f"{sum(x for x in lost if x is not None)} | {sum(n for n, _ in r.torchrun)} | "
             f"{r.to_clean[1]:.2e} ({r.to_clean[2]:.1e}) | {r.to_one[1]:.2e} ({r.to_one[2]:.1e}) | "
+            f"{r.clean_to_one[1]:.2e} ({r.clean_to_one[2]:.1e}) | "
             f"{'yes' if r.groups_equal else 'NO'} | "
             f"{'yes' if len(set(r.tokens)) == 1 else 'NO'} ({fmt(r.tokens[0], '.0f')}) |"
         )
@@ -508,7 +528,9 @@ def report(results: list[ModeResult], over: list[tuple], a: argparse.Namespace, 
         "Survivor stall: its `committed X s after the last` at the step it lost the group and "
         "at the step the group came back, the larger; 0.0: under the trainer's 0.5 s threshold "
         "(nothing printed). Steps recomputed (ft): `did not commit` redos in either group "
-        "between this kill and the next, plus any steps a heal went back. Heal s: the healed "
+        "between this kill and the next, plus any steps a heal went back; where the survivor "
+        "was killed before the other group healed (both down, no live state, no checkpoint: "
+        "ckpt.every=0), the second kill counts every step from 0. Heal s: the healed "
         "group's own figure (quorum, state sent and loaded); s relaunch -> healed includes the "
         "process start and imports; s fault -> healed includes the supervisor noticing the "
         "exit (and for fsdp torchrun tearing down the other rank).",
@@ -574,18 +596,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=10, help="kills per mode (default 10)")
     p.add_argument("--modes", default="ddp,fsdp")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=2400, help="train.steps of each run")
-    p.add_argument("--gap", type=int, default=150, help="fewest steps between two kills")
+    p.add_argument("--steps", type=int, help="train.steps (default: from --kills and --gap)")
+    p.add_argument("--gap", type=int, default=2500, help="fewest steps between two kills")
     p.add_argument("--first", type=int, default=40, help="the earliest kill step")
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun's ckpt.every")
     p.add_argument("--tick-ms", type=int, default=20, help="the Lighthouse's quorum tick")
     p.add_argument("--timeout-s", type=float, default=1200, help="one ft run's wall limit")
     p.add_argument("--overhead-reps", type=int, default=3, help="0: no overhead runs")
-    p.add_argument("--overhead-steps", default="200,40", help="small,big model steps")
+    p.add_argument("--overhead-steps", default="1000,40", help="small,big model steps")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos_ft")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     t_all = time.monotonic()
+    if a.steps is None:  # the kills in 70% of the run, a quarter of the gap drawn
+        a.steps = math.ceil((a.first + a.kills * a.gap * 1.25) / 0.7 / 100) * 100
     plan = kill_plan(a.seed, a.kills, a.steps, a.gap, a.first)
     results = []
     for mode in a.modes.split(","):

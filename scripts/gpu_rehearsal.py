@@ -45,6 +45,7 @@ from trainer import checkpoint  # noqa: E402
 from trainer.checkpoint import agree  # noqa: E402
 from trainer.comm import collectives, groups  # noqa: E402
 from trainer.config.checks import engine_options  # noqa: E402
+from trainer.data.datasets import LoaderBatches  # noqa: E402
 from trainer.models import builtin  # noqa: E402
 from trainer.models.hooks import model_hooks  # noqa: E402
 from trainer.models.materialize import SeededInit, empty_weights  # noqa: E402
@@ -296,7 +297,8 @@ def make_run(cfg, engine, env, run_dir: Path):
     writer = Rank0Writer(run_dir, enabled=False)
     bar = tqdm(total=cfg.train.steps, disable=True)
     return loop.Run(
-        cfg, env, run_dir, None, engine, scheduler, batches(), None, writer, metrics, bar,
+        cfg, env, run_dir, None, engine, scheduler, LoaderBatches(batches()), None, writer,
+        metrics, bar,
         resumable, scheduler.get_last_lr()[0], Guard(env.device), loop.Every.of(cfg),
         model_hooks(engine.module),
     )  # fmt: skip

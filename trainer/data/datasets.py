@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
@@ -321,10 +321,10 @@ def make_eval_loader(
 
 
 class LoaderBatches:
-    """A step's batch from the DataLoader, in order: what a run of one replica group
-    takes (its sampler's position is the step's)."""
+    """A step's batch from the DataLoader (or any iterable of batches), in order: what a
+    run of one replica group takes (its sampler's position is the step's)."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: Iterable[list[torch.Tensor]]) -> None:
         self.iterator = iter(loader)  # draws from the RNG: before a resume restores it
 
     def take(self, step: int, slots: Sequence[int]) -> list[torch.Tensor]:
