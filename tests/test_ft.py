@@ -90,8 +90,8 @@ def _same_as(reference: dict, got: dict, what: str) -> float:
     same mean of the same 64 samples' gradients, summed in another association (a group's
     two halves before or after the cross-group AllReduce). Each such sum is within
     ~n * 2^-24 relative of the other; 12 SGD steps of lr 0.05 with momentum carry that
-    forward without amplifying it past 1e-5 relative here (measured: 2.2e-8 absolute at most). Returns the
-    largest absolute difference."""
+    forward without amplifying it past 1e-5 relative here (measured: 2.2e-8 absolute at
+    most). Returns the largest absolute difference."""
     worst = 0.0
     for k, want in reference.items():
         torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-6, msg=f"{what}: {k}")
