@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -198,6 +201,7 @@ class FaultTolerantReplicas(Replicas):
                 f"ft.connect_timeout_s={ft.connect_timeout_s} ({_first_line(e)}); start "
                 "one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`"
             ) from None
+        self.teardown = Teardown(f"ft: group {self.index} rank {rank}")
         self.started = self.last_commit = time.monotonic()
         self.join_s = float(ft.join_timeout_s)
         self.announced: list[int] = list(range(self.groups))  # the groups last named
@@ -224,6 +228,10 @@ class FaultTolerantReplicas(Replicas):
 
     # -- each step ---------------------------------------------------------------------
     def start_step(self, step: int) -> StepPlan:
+        with self.teardown.waiting("the quorum"):
+            return self._start_step(step)
+
+    def _start_step(self, step: int) -> StepPlan:
         while True:
             self.healed_at = None
             asked = time.monotonic()
@@ -325,8 +333,9 @@ class FaultTolerantReplicas(Replicas):
             # comm/bytes_per_step/ft_across_replica_groups in TensorBoard (groups of P > 1)
             stats.bytes_sent["ft_across_replica_groups"] += _ring_bytes(flat, self.manager)
         works.append(self.manager.allreduce(figures, reduce_op=dist.ReduceOp.SUM))
-        for w in works:
-            w.wait()
+        with self.teardown.waiting("the cross-group AllReduce"):
+            for w in works:
+                w.wait()
         if self.manager.errored() is not None:
             return loss, correct  # should_commit says False: the step is redone
         if flat is not None:
@@ -352,7 +361,8 @@ class FaultTolerantReplicas(Replicas):
         if faults.fault("commit", step):  # [Note: fault injection]: `nocommit`
             self.manager.report_error(RuntimeError(f"{faults.FAULT_ENV}: nocommit at step {step}"))
         error = self.manager.errored()
-        committed = self.manager.should_commit()
+        with self.teardown.waiting("the commit"):
+            committed = self.manager.should_commit()
         now = time.monotonic()
         if not committed:
             why = _first_line(error.original_exception) if error is not None else "another rank"
@@ -378,7 +388,82 @@ class FaultTolerantReplicas(Replicas):
         return self.index == min(self.pg.present or [self.index])
 
     def close(self) -> None:
+        self.teardown.close()
         self.manager.shutdown(wait=False)
+
+
+# [Note: a group torn down while it waits]
+# When one rank of a replica group dies, torchrun sends SIGTERM to the group's other ranks
+# and SIGKILLs them 30 s later. A rank waiting on its group's peers in torchft (the
+# quorum, the commit: RPCs that wait for every rank of the group) never gets to the step
+# boundary where the SIGTERM flag is read ([Note: stopping on SIGTERM]), and while rank 0
+# lives its ManagerServer goes on telling the Lighthouse that the group is alive: the
+# other groups' next quorum waits for it, 30 s instead of a heartbeat. Python runs signal
+# handlers only between bytecodes, which a rank blocked in torchft's Rust RPCs does not
+# reach, so a thread watches the signal's wakeup fd instead: a SIGTERM that finds the rank
+# in such a wait which is still the same wait TEARDOWN_S later ends the process there,
+# with one line. A preemption of every group, whose waits end in milliseconds, stops as
+# any run does, at its next check step with a checkpoint.
+TEARDOWN_S = 2.0
+
+
+class Teardown:
+    """[Note: a group torn down while it waits]."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.since: float | None = None  # when the current wait began
+        self.what = ""
+        self.read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:  # the main thread only; elsewhere (tests) nothing is watched
+            self.previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(self.read_fd)
+            os.close(write_fd)
+            self.read_fd = None
+            return
+        self.write_fd = write_fd
+        threading.Thread(target=self._watch, name="ft-teardown", daemon=True).start()
+
+    @contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        self.since, self.what = time.monotonic(), what
+        try:
+            yield
+        finally:
+            self.since = None
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                got = os.read(self.read_fd, 64)
+            except OSError:
+                return  # closed
+            if not got:
+                return
+            if signal.SIGTERM not in got:
+                continue
+            signalled = time.monotonic()
+            time.sleep(TEARDOWN_S)
+            since = self.since
+            if since is not None and since <= signalled:
+                print(
+                    f"error: {self.who}: SIGTERM while waiting {time.monotonic() - since:.0f} s "
+                    f"for {self.what} with the rest of its group: the group is being torn down "
+                    "(one of its ranks ended); the other replica groups go on",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    def close(self) -> None:
+        if self.read_fd is None:
+            return
+        signal.set_wakeup_fd(self.previous)
+        os.close(self.write_fd)  # the watching thread reads the end of the pipe and returns
+        os.close(self.read_fd)
+        self.read_fd = None
 
 
 class TooFewGroups(TrainingError):
