@@ -24,10 +24,12 @@ the seconds from the relaunch to that heal line (the interpreter's start and imp
 included).
 
 The same run without faults and one process without ft (same config, whole global batch)
-are the references: both groups of the faulty run must end bitwise equal to each other and
-within 1e-4 relative (max |diff| over a tensor / max |value| of it) of the uninterrupted
-ft run, with the same train/tokens_seen. The same kills then meet one torchrun of all the
-ranks (fsdp with mode.shard_group_size=2, the same hybrid layout), `--max-restarts`,
+are the references: both groups of the faulty run must end bitwise equal to each other,
+with the same train/tokens_seen, and no farther (max |diff| over every tensor) from the
+uninterrupted ft run than twice the uninterrupted run's own distance from one process: the
+reduction-order bound, measured in the same soak (SPREAD). The same kills then meet one
+torchrun of all the ranks (fsdp with mode.shard_group_size=2, the same hybrid layout),
+`--max-restarts`,
 ckpt.every=`--ckpt-every`: steps recomputed and seconds from fault to resume per kill
 (scripts/chaos.py's measures). Last, ft's per-step cost when nothing fails: the
 uninterrupted 2 x 1 ft run against torchrun of 2 ranks, same global batch, alternated,
@@ -35,8 +37,8 @@ uninterrupted 2 x 1 ft run against torchrun of 2 ranks, same global batch, alter
 (final_metrics.json), for the GPT above and a bigger one.
 
 Written to <out>/chaos_ft.md; logs and run directories stay under <out>. Exits 1 if a
-faulty run did not end with both groups equal and within 1e-4 of the uninterrupted one, or
-with other tokens seen.
+faulty run did not end with both groups equal and within that bound of the uninterrupted
+one, or with other tokens seen.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ SMALL = [
     "train.batch_size=8",
     "train.eval_every=0",
     "dist.timeout_s=20",
+    # AdamW's default eps turns the rounding of a reordered sum into lr-sized steps on a
+    # parameter whose gradient is ~0, and over thousands of steps the runs then drift far
+    # apart whatever the faults (measured: 0.14 relative between the uninterrupted fsdp
+    # run and one process after 10,800 steps): the parity tests' eps keeps the comparison
+    # about the faults
+    "optim.eps=1e-3",
 ]
 BIG = [
     *SMALL,
@@ -82,7 +90,11 @@ BIG = [
 ]
 RANKS = {"ddp": 1, "fsdp": 2}  # ranks per replica group
 GROUPS = 2
-TOLERANCE = 1e-4  # relative, per tensor: max |diff| / max |value|
+# The faulty run may be this much farther from the uninterrupted one than the uninterrupted
+# run is from one process: both differences are the order of fp32 sums (a survivor adds two
+# groups' micro-batches where the others add them across groups), carried over thousands
+# of steps, so the same run measures the bound (max |diff| over every tensor).
+SPREAD = 2.0
 
 LINE = re.compile(r"ft: group (\d+): (.*)")
 MEMBERS = re.compile(r"step (\d+): (\d+) of \d+ replica groups")
@@ -463,8 +475,12 @@ class ModeResult:
         out = []
         if not self.groups_equal:
             out.append(f"{self.mode}: the two groups of the faulty run differ")
-        if self.to_clean[2] > TOLERANCE:
-            out.append(f"{self.mode}: {self.to_clean[2]:.2e} relative from the uninterrupted run")
+        bound = SPREAD * self.clean_to_one[1]
+        if self.to_clean[1] > bound:
+            out.append(
+                f"{self.mode}: {self.to_clean[1]:.2e} from the uninterrupted run, beyond "
+                f"{SPREAD:g} x its own {self.clean_to_one[1]:.2e} from one process"
+            )
         if len(set(self.tokens)) != 1 or self.tokens[0] is None:
             out.append(f"{self.mode}: tokens seen differ: {self.tokens}")
         return out
