@@ -63,15 +63,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import chaos  # noqa: E402
 
+# chaos.py's small GPT, its step counts and checkpoints left to each run here
 SMALL = [
-    "model=gpt",
-    "data=tokens",
-    "model.n_embd=16",
-    "model.block_size=8",
-    "data.dataset.block_size=8",
-    "data.dataset.n=512",
-    "train.batch_size=8",
-    "train.eval_every=0",
+    *(a for a in chaos.ARGS if not a.startswith(("train.steps=", "train.log_every=", "ckpt."))),
     "dist.timeout_s=20",
     # AdamW's default eps turns the rounding of a reordered sum into lr-sized steps on a
     # parameter whose gradient is ~0, and over thousands of steps the runs then drift far
