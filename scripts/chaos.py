@@ -16,13 +16,8 @@ time over the uninterrupted one's, divided by the faults) and whether the final 
 the last checkpoint's data files and the tokens seen equal the uninterrupted run's,
 bitwise; then per kind of fault the seconds from the fault to the restarted group's
 resume. It is written to <out>/chaos.md; the runs' logs stay under <out>. A run that did
-not end bitwise equal (a NO row) is named on stderr and the script exits 1.
-
-    python scripts/chaos.py --ft --kills 10 --modes ddp,fsdp   # replica kills under ft
-
-`--ft` hands the rest of the command line to scripts/chaos_ft.py: replica groups killed and
-healed under ft ([Note: fault-tolerant replica groups]), against the same kills under
-torchrun restarts.
+not end bitwise equal (a NO row) is named on stderr and the script exits 1. Replica groups
+killed and healed under ft: scripts/benchmarks/chaos_ft.py.
 """
 
 from __future__ import annotations
@@ -166,12 +161,6 @@ def exit_code(ends: dict[str, tuple[bool, bool]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--ft" in argv:  # replica kills under ft: scripts/chaos_ft.py
-        sys.path.insert(0, str(ROOT / "scripts"))
-        import chaos_ft
-
-        return chaos_ft.main([a for a in argv if a != "--ft"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--faults", type=int, default=50, help="faults in all (default 50)")
     p.add_argument("--modes", default="ddp,zero,fsdp")

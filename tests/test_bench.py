@@ -1,9 +1,10 @@
-"""scripts/bench.py end to end on a tiny model: every contender yields a row of positive
-figures, in the JSON and the markdown table; the hybrid ones with shard groups of one
-rank (two replicas at P = 2)."""
+"""scripts/benchmarks/bench.py end to end on a tiny model: every contender yields a row of
+positive figures, in the JSON and the markdown table; the hybrid ones with shard groups of
+one rank (two replicas at P = 2)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -12,11 +13,12 @@ from pathlib import Path
 import warm_cli
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "scripts" / "benchmarks"
 
 
 def test_bench_smoke(tmp_path: Path) -> None:
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--nproc", "2"]
+    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--nproc", "2"]
     cmd += ["--width", "64", "--depth", "2", "--batch-per-rank", "8", "--steps", "2"]
     cmd += ["--warmup", "1", "--rounds", "1", "--out", str(out), "--md", str(md)]
     cmd += ["--shard-group-size", "1"]
@@ -54,10 +56,10 @@ def test_bench_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_tokens_smoke(tmp_path: Path) -> None:
-    """scripts/bench_tokens.py at 1 and 2 ranks: the floor, an engine and their compiled
-    twins (aot_eager: tracing only, quick) each give positive tokens/s in one table."""
+    """scripts/benchmarks/bench_tokens.py at 1 and 2 ranks: the floor, an engine and their
+    compiled twins (aot_eager: tracing only, quick) each give positive tokens/s in one table."""
     out, md = tmp_path / "tokens.json", tmp_path / "tokens.md"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_tokens.py"), "--nproc", "1,2"]
+    cmd = [sys.executable, str(BENCHMARKS / "bench_tokens.py"), "--nproc", "1,2"]
     cmd += ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16"]
     cmd += ["--batch-per-rank", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"]
     cmd += ["--modes", "fsdp", "--compile", "--backend", "aot_eager"]
@@ -79,11 +81,11 @@ def test_bench_tokens_smoke(tmp_path: Path) -> None:
 
 
 def test_build_memory_smoke(tmp_path: Path) -> None:
-    """scripts/build_memory.py on one rank (the launches are most of its time) on a tiny
-    GPT and the HF GPT-2 directory it writes: fsdp built on meta, one step each; the rank
-    reports a build peak, times and the formula, and the loss."""
+    """scripts/benchmarks/build_memory.py on one rank (the launches are most of its time) on a
+    tiny GPT and the HF GPT-2 directory it writes: fsdp built on meta, one step each; the
+    rank reports a build peak, times and the formula, and the loss."""
     out, md, hf = tmp_path / "build.json", tmp_path / "build.md", tmp_path / "gpt2"
-    cmd = [sys.executable, str(ROOT / "scripts" / "build_memory.py"), "--nproc", "1"]
+    cmd = [sys.executable, str(BENCHMARKS / "build_memory.py"), "--nproc", "1"]
     cmd += ["--modes", "fsdp", "--builds", "meta", "--steps", "1", "--pretrained", str(hf)]
     cmd += ["--margin-gib", "0", "--out", str(out), "--md", str(md)]
     proc = warm_cli.command(cmd, {"OMP_NUM_THREADS": "1"}, timeout=180, cwd=tmp_path)
@@ -105,10 +107,10 @@ def test_build_memory_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_nanogpt_reads_nanogpts_output_and_spells_the_recipe(tmp_path: Path) -> None:
-    """scripts/bench_nanogpt.py without nanoGPT: the lines its train.py prints are read
-    (the last evaluation's val loss, the median iteration time after the first), and our
-    recipe composes with our config."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    """scripts/benchmarks/bench_nanogpt.py without nanoGPT: the lines its train.py prints are
+    read (the last evaluation's val loss, the median iteration time after the first), and
+    our recipe composes with our config."""
+    sys.path.insert(0, str(BENCHMARKS))
     import bench_nanogpt
 
     printed = "\n".join(
@@ -137,7 +139,7 @@ def test_bench_nanogpt_reads_nanogpts_output_and_spells_the_recipe(tmp_path: Pat
 def test_bench_nanogpt_seeds_nanogpt_without_changing_it(tmp_path: Path) -> None:
     """`--seeds`: seed s runs nanoGPT's own train.py with its torch.manual_seed(1337) moved
     to 1337 + s and its command line as given; seed 0 is its plain command."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(BENCHMARKS))
     import argparse
 
     import bench_nanogpt
@@ -153,3 +155,22 @@ def test_bench_nanogpt_seeds_nanogpt_without_changing_it(tmp_path: Path) -> None
         initial, rest = out.stdout.split(" ", 1)
         assert int(initial) == want
         assert rest.startswith("['train.py', 'config/train_shakespeare_char.py', '--device=cpu'")
+
+
+def test_no_user_tool_imports_a_benchmark() -> None:
+    """The tools of scripts/ stand alone; the benchmarks of scripts/benchmarks/ may use them,
+    not the other way round (read from the sources: nothing is imported or run)."""
+    benchmarks = {p.stem for p in BENCHMARKS.glob("*.py")}
+    wrong = []
+    for tool in sorted((ROOT / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(tool.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for name in names:
+                if name.startswith("scripts.benchmarks") or name.split(".")[-1] in benchmarks:
+                    wrong.append(f"{tool.relative_to(ROOT)}:{node.lineno}: {name}")
+    assert not wrong, "user tools importing benchmarks:\n" + "\n".join(wrong)

@@ -19,7 +19,7 @@ from dist_harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "scripts" / "collectives_demo.py"
-BENCH = ROOT / "scripts" / "comm_bench.py"
+BENCH = ROOT / "scripts" / "benchmarks" / "comm_bench.py"
 P = 4
 
 

@@ -1,8 +1,11 @@
 """README.md and docs/*.md: every relative link and image resolves, anchors included, and the
-README stays one screen long with the test command CI runs."""
+README stays one screen long with the test command CI runs. Every `scripts/...` path they (or
+the project's sources) name exists, and each benchmark of scripts/benchmarks/ and the page
+whose tables it reproduces name each other."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -10,6 +13,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BENCHMARKS = ROOT / "scripts" / "benchmarks"
+# Where a script's path is written for a user to run or read: the pages, and the messages,
+# docstrings and comments of the code (tests/ is left out: it holds patterns and stand-ins).
+CODE = [p for d in ("scripts", "trainer", "conf") for p in sorted((ROOT / d).rglob("*"))]
+SOURCES = [*PAGES, *(p for p in CODE if p.suffix in (".py", ".sh", ".yaml"))]
+SOURCES += [ROOT / "train.py", ROOT / "Makefile"]
+# A path under scripts/, also as a link from docs/ (../scripts/...); not one inside another
+# path (nanoGPT/scripts/...). A sentence's full stop or comma after it is not part of it.
+SCRIPT_PATH = re.compile(r"(?<![\w./-])(?:\.\./)*(scripts/[\w.-]+(?:/[\w.-]+)*/?)")
+DOCS_PAGE = re.compile(r"\bdocs/[\w-]+\.md\b")
 
 # [text](target) and ![alt](target), with an optional "title"; text may hold one level of
 # brackets ([`x`](y) or [![img](a)](b)).
@@ -108,3 +121,62 @@ def test_the_checker_sees_links(tmp_path: Path) -> None:
     expected = ["x.py", "img/c.png", "../e.md#f", "https://h", "#again-1"]
     assert [t for _, t in links(page)] == expected
     assert anchors(page) == {"a-title-here", "past-one-node-hybrid-sharding", "again", "again-1"}
+
+
+def script_paths(path: Path) -> list[tuple[int, str]]:
+    """(line number, path) of every `scripts/...` path the file names, code included."""
+    return [
+        (number, m.group(1).rstrip(".,:;"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for m in SCRIPT_PATH.finditer(line)
+    ]
+
+
+def test_every_script_path_named_exists() -> None:
+    missing = [
+        f"{src.relative_to(ROOT)}:{number}: {path}"
+        for src in SOURCES
+        for number, path in script_paths(src)
+        if not (ROOT / path).exists()
+    ]
+    assert not missing, "paths under scripts/ that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_benchmark_is_named_in_the_docs() -> None:
+    docs = "\n".join(p.read_text() for p in PAGES[1:])
+    files = [p for p in BENCHMARKS.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert files, f"no files in {BENCHMARKS}"
+    named = [str(p.relative_to(ROOT)) for p in sorted(files)]
+    unnamed = [name for name in named if name not in docs]
+    assert not unnamed, f"benchmarks no docs/*.md page names: {unnamed}"
+
+
+def test_each_benchmark_names_the_page_of_its_tables() -> None:
+    """Its docstring names docs pages that exist, one of which names it back by its path."""
+    wrong = []
+    for script in sorted(BENCHMARKS.glob("*.py")):
+        rel = str(script.relative_to(ROOT))
+        pages = DOCS_PAGE.findall(ast.get_docstring(ast.parse(script.read_text())) or "")
+        if not pages:
+            wrong.append(f"{rel}: its docstring names no docs/*.md page")
+        elif missing := [p for p in pages if not (ROOT / p).is_file()]:
+            wrong.append(f"{rel}: its docstring names {missing}, which do not exist")
+        elif not any(rel in (ROOT / p).read_text() for p in pages):
+            wrong.append(f"{rel}: none of {sorted(set(pages))} names it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_checker_sees_script_paths(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `python scripts/a.py --x 1` ([b](../scripts/benchmarks/b.py)), then\n"
+        "scripts/benchmarks/. Not nanoGPT/scripts/c.py, nor a bare scripts/ dir.\n"
+        "```\ntorchrun scripts/d.sh, scripts/e.py\n```\n"
+    )
+    assert script_paths(page) == [
+        (1, "scripts/a.py"),
+        (1, "scripts/benchmarks/b.py"),
+        (2, "scripts/benchmarks/"),
+        (4, "scripts/d.sh"),
+        (4, "scripts/e.py"),
+    ]

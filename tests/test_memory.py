@@ -152,8 +152,9 @@ def _account(env, modes: list[str]):
 
 def _shared_block_peaks() -> dict[int, dict]:
     """Live memory of fsdp with a weight-shared block called again after N = 4 and 12
-    other blocks (scripts/bench_shared_block.py, which measures torch FSDP2 beside it)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    other blocks (scripts/benchmarks/bench_shared_block.py, which measures torch FSDP2 beside
+    it)."""
+    sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))
     from bench_shared_block import peak_units
 
     return {n: peak_units("fsdp", n, width=256, batch=4, steps=3) for n in (4, 12)}

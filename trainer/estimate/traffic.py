@@ -31,7 +31,7 @@ class Cluster:
     disk_write_Bps: float = 2e9
     # mode.offload=host: bytes/s between a device and host memory, each way (PCIe 4.0 x16
     # moves about 25 GB/s), and seconds the host's fused AdamW takes per parameter (about
-    # 1 ns on one core, measured: scripts/bench_offload.py)
+    # 1 ns on one core, measured: scripts/benchmarks/bench_offload.py)
     host_link_Bps: float = 25e9
     host_step_s_per_param: float = 1e-9
 

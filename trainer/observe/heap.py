@@ -8,7 +8,7 @@ step by a TorchDispatchMode (forward, backward, hooks, collectives, optimizer). 
 step's peak above the heap at its start is what the step allocated for a moment:
 activations, gathered fsdp units, bucket and receive buffers, gradients, optimizer
 temporaries. The process's resident set is of no use here: about 1 GB of it is torch's
-own libraries, the same in every mode. `scripts/bench.py` measures its peaks this way.
+own libraries, the same in every mode. `scripts/benchmarks/bench.py` measures its peaks this way.
 
 `keep_freed_pages()` is the one setting of the C heap a run makes ([Note: keeping freed
 pages]).

@@ -1,8 +1,8 @@
 """Peak memory of a weight-shared block called again after N other blocks: mode=fsdp
 (reshard_after_forward=true) against torch FSDP2, side by side in one run.
 
-    python scripts/bench_shared_block.py --nproc 2 --others 3,8,16 --md shared.md
-    torchrun --standalone --nproc-per-node=2 scripts/bench_shared_block.py ...   # the same
+    python scripts/benchmarks/bench_shared_block.py --nproc 2 --others 3,8,16 --md shared.md
+    torchrun --standalone --nproc-per-node=2 scripts/benchmarks/bench_shared_block.py ...   # the same
 
 The model: `shared`, then N other residual blocks, then `shared` again, then a linear
 head (`x = shared(x); for o in others: x = o(x); x = shared(x)`); each block is two
@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench import launch, without_nproc  # noqa: E402
+from scripts.benchmarks.bench import launch, without_nproc  # noqa: E402
 from trainer import comm  # noqa: E402
 from trainer.observe.heap import heap_bytes  # noqa: E402
 

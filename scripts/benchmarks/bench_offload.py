@@ -1,9 +1,9 @@
-"""mode.offload=disk measured: the host step's speed, memory and step time against
-offload=null, and a model whose states do not fit in this machine's memory.
+"""mode.offload=disk measured (the tables of docs/offload.md and the last of docs/bench.md):
+the host step, memory and step time against offload=null, and a model too big for memory.
 
-    python scripts/bench_offload.py host-step --params 25e6,200e6 --deepspeed-python PY
-    python scripts/bench_offload.py memory --nproc 2,4 --modes zero,fsdp --params 200e6
-    python scripts/bench_offload.py headline --layers 26 --embd 2560 --steps 4
+    python scripts/benchmarks/bench_offload.py host-step --params 25e6,200e6 --deepspeed-python PY
+    python scripts/benchmarks/bench_offload.py memory --nproc 2,4 --modes zero,fsdp --params 200e6
+    python scripts/benchmarks/bench_offload.py headline --layers 26 --embd 2560 --steps 4
 
 host-step: torch's fused CPU AdamW (what the offloaded step runs, one buffer at a time)
 against DeepSpeed's DeepSpeedCPUAdam on the same tensors, side by side in rounds (its
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench import launch  # noqa: E402
+from scripts.benchmarks.bench import launch  # noqa: E402
 
 GiB = 2**30
 

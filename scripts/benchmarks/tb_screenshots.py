@@ -1,7 +1,9 @@
-"""Screenshots of TensorBoard as a user sees it, taken with headless Chromium.
+"""Screenshots of TensorBoard as a user sees it, taken with headless Chromium: the images of
+docs/tensorboard.md (of the runs of docs/compare_modes.md).
 
-    python scripts/tb_screenshots.py --logdir runs/compare --out shots/
-    python scripts/tb_screenshots.py --logdir runs/compare --out docs/ --only custom_scalars
+    python scripts/benchmarks/tb_screenshots.py --logdir runs/compare --out shots/
+    python scripts/benchmarks/tb_screenshots.py --logdir runs/compare --out docs/ \\
+        --only custom_scalars
 
 Starts TensorBoard on 127.0.0.1 (a free port), waits until it lists the runs, loads each
 view in headless Chromium and saves `<out>/tb_<view>.png`, then stops TensorBoard.

@@ -1,10 +1,11 @@
 """Extra memory of a checkpoint save, a resume and a consolidation, per rank, measured from
 outside torch: the anonymous resident set (RssAnon of /proc/self/status: every tensor,
 every buffer of the process) sampled every millisecond in a thread, above its value just
-before the operation.
+before the operation: the tables of docs/checkpoints.md, "Memory", and of docs/bench.md,
+"Checkpoints at Ψ = 202 M".
 
     MALLOC_MMAP_THRESHOLD_=65536 torchrun --standalone --nproc-per-node=2 \\
-        scripts/ckpt_memory.py --mode zero --n-layer 4 --n-embd 512 --dir /tmp/ck
+        scripts/benchmarks/ckpt_memory.py --mode zero --n-layer 4 --n-embd 512 --dir /tmp/ck
     ... --mode fsdp --resume-from /tmp/ck/zero/step_000001 --dir /tmp/ck   # a re-cut
 
 With MALLOC_MMAP_THRESHOLD_ fixed ([Note: one mapping per tensor]) each rank builds a GPT
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def rss_anon() -> int:

@@ -1,44 +1,23 @@
 """A soak of replica-group kills under ft ([Note: fault-tolerant replica groups] in
-trainer/comm/replicas.py), against the same kills under plain torchrun restarts.
+trainer/comm/replicas.py), against the same kills under plain torchrun restarts: the tables
+of docs/fault_tolerance.md, "Measured".
 
-    nice python scripts/chaos_ft.py --kills 10 --modes ddp,fsdp --seed 0 --out runs/chaos_ft
-    python scripts/chaos_ft.py --kills 4 --modes ddp --overhead-reps 1
+    nice python scripts/benchmarks/chaos_ft.py --kills 10 --modes ddp,fsdp --seed 0
+    python scripts/benchmarks/chaos_ft.py --kills 4 --modes ddp --overhead-reps 1
 
 Per mode, two replica groups (ddp: 1 rank each; fsdp: 2 ranks each, sharded inside a group
 and replicated across: hybrid) train a small GPT through a Lighthouse this process runs on
-127.0.0.1. `--kills` SIGKILLs (SHARDTRAIN_FAULT, once each) are dealt alternately to group
-0 and group 1 at seeded steps spread over the first 70% of the run, at least `--gap` steps
-apart (the survivor trains alone while the killed group restarts, and must not meet its
-own kill before the other is back: with this tiny model it runs ~200 steps/s alone, and a
-1-rank group takes 3-8 s from its exit to its heal, the longer on a busy machine);
-train.steps is what puts the kills in
-70% of the run with a quarter of `--gap` left to the draw. This script is the groups'
-supervisor: a group whose process exits non-zero is started again (a fresh process,
-healing from the live group), until both exit 0. Every output line is timestamped as it
-arrives, giving per kill: the survivor's stall (its `committed X s after the last` figure
-at the step it lost the group and at the step the group came back: the larger; under the
-trainer's 0.5 s threshold it prints none and 0 is counted), the steps the job recomputed
-(each `did not commit` redo is one; a heal to a step below the killed one would add the
-difference), the heal (the `healed ... in X s` figure: quorum, state sent and loaded) and
-the seconds from the relaunch to that heal line (the interpreter's start and imports
-included).
+127.0.0.1, and `--kills` SIGKILLs are dealt to them in turn ([Note: when the kills fall]).
+This script is the groups' supervisor: a group whose process exits non-zero is started
+again (a fresh process, healing from the live group), until both exit 0. Per kill it
+reports the survivor's stall, the steps recomputed, the heal and the relaunch's time; the
+same run without faults and one process without ft are the references; the same kills
+then meet one torchrun of all the ranks; last, ft's per-step cost when nothing fails
+([Note: what the soak measures]).
 
-The same run without faults and one process without ft (same config, whole global batch)
-are the references: both groups of the faulty run must end bitwise equal to each other,
-with the same train/tokens_seen, and no farther (max |diff| over every tensor) from the
-uninterrupted ft run than twice the uninterrupted run's own distance from one process: the
-reduction-order bound, measured in the same soak (SPREAD). The same kills then meet one
-torchrun of all the ranks (fsdp with mode.shard_group_size=2, the same hybrid layout),
-`--max-restarts`,
-ckpt.every=`--ckpt-every`: steps recomputed and seconds from fault to resume per kill
-(scripts/chaos.py's measures). Last, ft's per-step cost when nothing fails: the
-uninterrupted 2 x 1 ft run against torchrun of 2 ranks, same global batch, alternated,
-`--overhead-reps` each, median of perf/step_time_s of the run's second half
-(final_metrics.json), for the GPT above and a bigger one.
-
-Written to <out>/chaos_ft.md; logs and run directories stay under <out>. Exits 1 if a
-faulty run did not end with both groups equal and within that bound of the uninterrupted
-one, or with other tokens seen.
+Written to <out>/chaos_ft.md (default runs/chaos_ft); logs and run directories stay under
+<out>. Exits 1 if a faulty run did not end with both groups equal and within the bound of
+[Note: what the soak measures] of the uninterrupted one, or with other tokens seen.
 """
 
 from __future__ import annotations
@@ -58,10 +37,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
-import chaos  # noqa: E402
+from scripts import chaos  # noqa: E402
 
 # chaos.py's small GPT, its step counts and checkpoints left to each run here
 SMALL = [
@@ -235,6 +214,14 @@ def supervise(
 
 # -- the kills ---------------------------------------------------------------------------
 
+# [Note: when the kills fall]
+# The SIGKILLs (SHARDTRAIN_FAULT, once each) are dealt alternately to group 0 and group 1 at
+# seeded steps spread over the first 70% of the run, at least `--gap` steps apart: the
+# survivor trains alone while the killed group restarts, and must not meet its own kill
+# before the other is back (with this tiny model it runs ~200 steps/s alone, and a 1-rank
+# group takes 3-8 s from its exit to its heal, the longer on a busy machine). train.steps
+# is what puts the kills in 70% of the run with a quarter of `--gap` left to the draw.
+
 
 def kill_plan(
     seed: int, kills: int, steps: int, gap: int, first: int
@@ -293,6 +280,28 @@ class FaultRow:
     relaunch_to_heal_s: float | None
     fault_to_heal_s: float | None
     notes: list[str] = field(default_factory=list)
+
+
+# [Note: what the soak measures]
+# Every output line is timestamped as it arrives, giving per kill: the survivor's stall
+# (its `committed X s after the last` figure at the step it lost the group and at the step
+# the group came back: the larger; under the trainer's 0.5 s threshold it prints none and 0
+# is counted), the steps the job recomputed (each `did not commit` redo is one; a heal to a
+# step below the killed one would add the difference), the heal (the `healed ... in X s`
+# figure: quorum, state sent and loaded) and the seconds from the relaunch to that heal
+# line (the interpreter's start and imports included).
+#
+# The same run without faults and one process without ft (same config, whole global
+# batch) are the references: both groups of the faulty run must end bitwise equal to each
+# other, with the same train/tokens_seen, and no farther (max |diff| over every tensor)
+# from the uninterrupted ft run than SPREAD times the uninterrupted run's own distance from
+# one process: the reduction-order bound, measured in the same soak. The same kills then
+# meet one torchrun of all the ranks (fsdp with mode.shard_group_size=2, the same hybrid
+# layout), `--max-restarts`, ckpt.every=`--ckpt-every`: steps recomputed and seconds from
+# fault to resume per kill (scripts/chaos.py's measures). Last, ft's per-step cost when
+# nothing fails: the uninterrupted 2 x 1 ft run against torchrun of 2 ranks, same global
+# batch, alternated, `--overhead-reps` each, median of perf/step_time_s of the run's second
+# half (final_metrics.json), for the GPT above and a bigger one.
 
 
 def fault_rows(lives: list[Life], run_dir: Path) -> list[FaultRow]:

@@ -1,8 +1,8 @@
-"""Step time and memory of ddp / zero / fsdp next to PyTorch's DDP and FSDP2, side by side.
+"""Step time and memory of ddp / zero / fsdp next to PyTorch's DDP and FSDP2: docs/bench.md.
 
-    torchrun --standalone --nproc-per-node=2 scripts/bench.py --width 1024 --depth 8 \\
+    torchrun --standalone --nproc-per-node=2 scripts/benchmarks/bench.py --width 1024 --depth 8 \\
         --batch-per-rank 32 --steps 20 --rounds 3 --out bench.json --md bench.md
-    python scripts/bench.py --nproc 2 ...        # the same; launches torchrun itself
+    python scripts/benchmarks/bench.py --nproc 2 ...        # the same; launches torchrun itself
 
 Contenders, each paired with the PyTorch code that does the same job:
 
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from trainer import comm  # noqa: E402

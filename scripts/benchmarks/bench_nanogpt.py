@@ -1,8 +1,8 @@
 """nanoGPT's CPU shakespeare_char recipe through nanoGPT's own train.py and through ours,
-at one process and at P ranks, run after one another in rounds, side by side.
+at one process and at P ranks, in rounds, side by side (docs/bench.md, "Against nanoGPT").
 
-    python scripts/bench_nanogpt.py --nanogpt ~/src/nanoGPT --input input.txt --md out.md
-    python scripts/bench_nanogpt.py --nanogpt DIR --rounds 1 --steps 200   # a quick look
+    python scripts/benchmarks/bench_nanogpt.py --nanogpt ~/src/nanoGPT --input input.txt --md out.md
+    python scripts/benchmarks/bench_nanogpt.py --nanogpt DIR --rounds 1 --steps 200   # a quick look
 
 `--nanogpt DIR` is a checkout of github.com/karpathy/nanoGPT that the user brings; none of
 its code is copied here. Its data/shakespeare_char/prepare.py downloads the text unless
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = 2000
 NANOGPT_ARGS = [  # the README's CPU command line, after config/train_shakespeare_char.py

@@ -1,13 +1,14 @@
 """Memory and time from process start to the first training step, per rank: the ordinary
 build next to the meta build (train.meta_build), per mode, for model=gpt, and for a
-pretrained model=hf directory of the same size that the script writes once.
+pretrained model=hf directory of the same size that the script writes once: the tables of
+docs/bench.md, "Building big models".
 
-    python scripts/build_memory.py --nproc 4 --n-layer 12 --n-embd 1024 --n-head 16 \\
+    python scripts/benchmarks/build_memory.py --nproc 4 --n-layer 12 --n-embd 1024 --n-head 16 \\
         --pretrained /tmp/gpt2_150m --out build.json --md build.md
-    python scripts/build_memory.py --nproc 4 --modes fsdp --builds meta --n-layer 36 \\
+    python scripts/benchmarks/build_memory.py --nproc 4 --modes fsdp --builds meta --n-layer 36 \\
         --n-embd 1536 --n-head 12 --steps 3 --pretrained /tmp/gpt2_1b   # train 3 steps
 
-Each case is one `train.py` run under torchrun (as scripts/bench.py starts its ranks),
+Each case is one `train.py` run under torchrun (as scripts/benchmarks/bench.py starts its ranks),
 with the overrides the table lists: data=tokens (synthetic), `--batch-per-rank` windows
 of `--block-size` tokens per rank, AdamW, no evaluation, no checkpoint. Nothing of the
 trainer is changed: each rank runs this file, which imports what train.py imports, reads
@@ -36,9 +37,8 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 MODES = ("ddp", "zero", "fsdp")
 BUILDS = ("ordinary", "meta")
@@ -339,7 +339,7 @@ def needed(args: argparse.Namespace, fig: dict, build: str) -> float:
 
 
 def run_case(args: argparse.Namespace, case: dict, fig: dict, tmp: Path) -> dict:
-    from bench import launch
+    from scripts.benchmarks.bench import launch
 
     row = {k: case[k] for k in ("model", "mode", "build")}
     row["command"] = "torchrun --standalone --nproc-per-node={} train.py {}".format(
@@ -395,7 +395,8 @@ def run_case(args: argparse.Namespace, case: dict, fig: dict, tmp: Path) -> dict
 
 def run(args: argparse.Namespace) -> dict:
     import torch
-    from bench import without_nproc
+
+    from scripts.benchmarks.bench import without_nproc
 
     result: dict = {
         "config": {
@@ -493,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_only:
         print(json.dumps(write_pretrained(args)))
         return
-    from bench import report
+    from scripts.benchmarks.bench import report
 
     result = run(args)
     report(result, markdown(result), args.out, args.md)

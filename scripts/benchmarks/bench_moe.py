@@ -1,7 +1,8 @@
 """GPT-MoE (8 experts, top-2) with and without expert parallelism: tokens/s, expert
-memory per rank and AllToAll bytes per step next to the formula.
+memory per rank and AllToAll bytes per step next to the formula: the table of
+docs/bench.md, "Mixture of experts".
 
-    python scripts/bench_moe.py --nproc 2,4 --modes ddp,fsdp --md moe.md
+    python scripts/benchmarks/bench_moe.py --nproc 2,4 --modes ddp,fsdp --md moe.md
 
 Each world size in `--nproc` is one torchrun launch; within it each mode runs at
 mode.expert_parallel=1 (every rank holds every expert) and E=P (each rank n/P experts),
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from trainer import comm  # noqa: E402

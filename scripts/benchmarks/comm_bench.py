@@ -1,6 +1,8 @@
-"""Time each collective per message size: time, algbw, busbw and ring traffic per rank.
+"""Time each collective per message size: time, algbw, busbw and ring traffic per rank: the
+tables of docs/comm_bench.md (summed up in docs/collectives.md).
 
-    torchrun --standalone --nproc-per-node=4 scripts/comm_bench.py --max-mb 16 --out bench.json
+    torchrun --standalone --nproc-per-node=4 scripts/benchmarks/comm_bench.py --max-mb 16 \\
+        --out bench.json
 
 Every op goes through trainer.comm, the trainer's own code path. reduce_scatter and
 all_gather are timed twice: the backend's native op ("native") and comm's own exchange
@@ -19,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer import comm  # noqa: E402
 from trainer.comm.all_to_all import all_to_all  # noqa: E402

@@ -1,10 +1,11 @@
 """Tokens per second of model=gpt on token data through the trainer's engines, next to
-the same model in a plain PyTorch loop (the floor), at 1 and 2 ranks.
+the same model in a plain PyTorch loop (the floor), at 1 and 2 ranks: the tables of
+docs/bench.md, "Tokens per second", and the side-by-side figures of docs/compile.md.
 
-    python scripts/bench_tokens.py --nproc 1,2 --compile --md bench_tokens.md
-    python scripts/bench_tokens.py --nproc 1 --data DIR   # a token_file dir (prepare_text.py)
+    python scripts/benchmarks/bench_tokens.py --nproc 1,2 --compile --md bench_tokens.md
+    python scripts/benchmarks/bench_tokens.py --nproc 1 --data DIR   # token files (prepare_text.py)
 
-Each world size in `--nproc` is one torchrun launch (as scripts/bench.py starts its
+Each world size in `--nproc` is one torchrun launch (as scripts/benchmarks/bench.py starts its
 ranks); within a launch the contenders run in rounds, the order rotated every round, so
 the ratios come from steps timed side by side. A step's time is the slowest rank's
 (bench.py's `timed_steps`).
@@ -37,12 +38,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench import Built, launch, report, timed_steps, without_nproc  # noqa: E402
-
+from scripts.benchmarks.bench import Built, launch, report, timed_steps, without_nproc  # noqa: E402
 from trainer.models.builtin import GPT, loss_fn  # noqa: E402
 from trainer.models.compile import compile_layers  # noqa: E402
 from trainer.run import dist as tdist  # noqa: E402
