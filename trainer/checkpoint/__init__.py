@@ -5,22 +5,19 @@ consolidate into one state_dict. What they give a user: docs/checkpoints.md.
     checkpoint.maybe_save(cfg, engine, run_dir, step, sampler=sampler)       # after each step
     checkpoint.check_save(device)    # at check steps: commit an async save, or end on its error
 
-  files.py      the directory and file format; checksummed writes, checked reads
-  storage.py    reads retried, then named: a storage error is not damage
-                [Note: storage errors are not damage]
-  stream.py     tensors streamed to a data file in one buffer, ranges read back and
-                checked [Note: streamed checkpoint files]
-  saving.py     every rank writes, rank 0 commits by a rename [Note: atomic checkpoints]
-  background.py the write on a thread, the commit on the main thread [Note: async save]
-  resume.py     which checkpoint to resume, loading it into an engine [Note: run lineage]
-  recutting.py  what a rank keeps, read range by range, in its layout or another
-                [Note: re-cutting shards]; the full model one tensor at a time
-  export.py     that model as safetensors, one tensor at a time [Note: streamed export]
-  rng.py        each rank's RNG states
-  agree.py      what every rank must learn alike (errors, rank 0's decisions, who finds
-                a file)
-  faults.py     a schedule of faults at chosen points, for tests and scripts/chaos.py
-                [Note: fault injection]
+Read saving.py and resume.py first; files.py pictures a checkpoint on disk. Each module's
+docstring names the notes that explain it ([Note: atomic checkpoints] is saving.py's).
+  files.py       the directory and file format: checksummed writes, checked reads
+  storage.py     reads retried, then named: a storage error is not damage
+  stream.py      tensors streamed to a data file in one buffer, ranges read back and checked
+  saving.py      every rank writes, rank 0 commits by a rename
+  background.py  ckpt.async: the write on a thread, the commit on the main thread
+  resume.py      which checkpoint to resume (the run's lineage), loading it into an engine
+  recutting.py   what a rank keeps, in its layout or another; the full model, tensor by tensor
+  export.py      that model as safetensors, one tensor at a time
+  rng.py         each rank's RNG states
+  agree.py       what every rank must learn alike (errors, rank 0's decisions, who finds a file)
+  faults.py      a schedule of faults at chosen points, for tests and scripts/chaos.py
 """
 
 from trainer.checkpoint.background import check as check_save

@@ -18,12 +18,8 @@ One directory per checkpoint under `ckpt.dir` (default `<run dir>/checkpoints`):
                  holding it counts as a checkpoint
     lineage      (beside the step directories) the id of the run that owns them
 
-Every .pt file holds plain tensors and Python values only: `torch.load(weights_only=True)`
-reads it, and that is the only way a checkpoint file is loaded; .bin files are raw bytes
-that the index describes. Each carries CRC32s over its contents, so a truncated or
-corrupted file is named rather than silently loaded; a read that the storage fails is
-retried, then named as a storage error, never as damage ([Note: storage errors are not
-damage] in storage.py).
+Every file is checked as it is read, and only plain values are unpickled:
+[Note: checked checkpoint files], beside `read`. How a save writes them: saving.py.
 """
 
 from __future__ import annotations
@@ -229,6 +225,13 @@ def read_rank(path: Path, rank: int, meta: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+# [Note: checked checkpoint files]
+# Every .pt file holds plain tensors and Python values only: `torch.load(weights_only=True)`
+# reads it, and that is the only way a checkpoint file is loaded; .bin files are raw bytes
+# that the index describes. Each carries CRC32s over its contents, so a truncated or
+# corrupted file is named rather than silently loaded; a read that the storage fails is
+# retried, then named as a storage error, never as damage
+# ([Note: storage errors are not damage] in storage.py).
 def read(file: Path) -> dict[str, Any]:
     """A checkpoint .pt file, checked. Damaged when its bytes are wrong (they do not
     unpickle, or fail the checksum) or it is missing (Missing); StorageError when the

@@ -1,28 +1,10 @@
 """Saving a checkpoint: every rank writes its file, rank 0 commits the whole by a rename.
 
-[Note: atomic checkpoints]
-All ranks write into `step_000120.tmp-<id>/` and fsync their files; they then agree (one
-small AllReduce) that every rank succeeded; rank 0 writes `COMPLETE` into it and fsyncs
-the directory: from then on it is a complete checkpoint. Rank 0 renames it to
-`step_000120` (atomic on one filesystem) and fsyncs the parent. `ckpt.keep` then prunes
-older checkpoints, each renamed away to `step_N.old-<id>` first (atomic) and deleted
-after, and deletes what interrupted saves left (temporary directories without a marker,
-`.old-` ones). Only a directory with a final name and a marker counts as a checkpoint.
-No crash between these renames and deletes leaves a step without a complete copy that
-resume=auto finds (tests/test_checkpoint_storage.py crashes a save and a prune at each):
-- before the marker: the previous checkpoints are as they were; the partial directory
-  is removed by the next save;
-- after the marker, before the rename: a marked `step_N.tmp-<id>` is complete, and is
-  never deleted: resume=auto first finishes its commit (`finish_commits`);
-- the same step saved again (a run resumed from an older checkpoint: the newer one did
-  not fit it, or resume=PATH chose the older one) finds `step_N` there. That one is kept:
-  renamed to `step_N.replaced-<id>` (which no save prunes; one line names it) before the
-  new one takes its name, never deleted. A crash between the two renames leaves the new
-  one marked under its temporary name: as above;
-- in a prune: the new checkpoint is in place and fsynced before anything is pruned, and
-  what a prune removes goes out of the checkpoint names before it is deleted.
-A storage error in rank 0's commit (not a crash) fails the save on every rank alike, the
-commit undone; in its prune, a warning ([Note: a failed commit]).
+All ranks write into a temporary directory and agree that every one succeeded; rank 0 then
+marks it complete, renames it to its final name and prunes older checkpoints, in an order
+that no crash can leave without a complete copy for resume=auto to find:
+[Note: atomic checkpoints], beside `save`. A commit that the storage fails is undone on
+every rank alike: [Note: a failed commit], beside `_mark_and_commit`.
 """
 
 from __future__ import annotations
@@ -74,6 +56,29 @@ def maybe_save(
     return path
 
 
+# [Note: atomic checkpoints]
+# All ranks write into `step_000120.tmp-<id>/` and fsync their files; they then agree (one
+# small AllReduce) that every rank succeeded; rank 0 writes `COMPLETE` into it and fsyncs
+# the directory: from then on it is a complete checkpoint. Rank 0 renames it to
+# `step_000120` (atomic on one filesystem) and fsyncs the parent. `ckpt.keep` then prunes
+# older checkpoints, each renamed away to `step_N.old-<id>` first (atomic) and deleted
+# after, and deletes what interrupted saves left (temporary directories without a marker,
+# `.old-` ones). Only a directory with a final name and a marker counts as a checkpoint.
+# No crash between these renames and deletes leaves a step without a complete copy that
+# resume=auto finds (tests/test_checkpoint_storage.py crashes a save and a prune at each):
+# - before the marker: the previous checkpoints are as they were; the partial directory
+#   is removed by the next save;
+# - after the marker, before the rename: a marked `step_N.tmp-<id>` is complete, and is
+#   never deleted: resume=auto first finishes its commit (`finish_commits`);
+# - the same step saved again (a run resumed from an older checkpoint: the newer one did
+#   not fit it, or resume=PATH chose the older one) finds `step_N` there. That one is kept:
+#   renamed to `step_N.replaced-<id>` (which no save prunes; one line names it) before the
+#   new one takes its name, never deleted. A crash between the two renames leaves the new
+#   one marked under its temporary name: as above;
+# - in a prune: the new checkpoint is in place and fsynced before anything is pruned, and
+#   what a prune removes goes out of the checkpoint names before it is deleted.
+# A storage error in rank 0's commit (not a crash) fails the save on every rank alike, the
+# commit undone; in its prune, a warning ([Note: a failed commit]).
 def save(
     directory: Path,
     step: int,

@@ -58,7 +58,7 @@ def empty_weights() -> Iterator[None]:
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and param.device != META:
-            module._parameters[name] = _like(param, param.detach().to(META))
+            module._parameters[name] = parameter_like(param, param.detach().to(META))
 
     global _building_on_meta
     nn.Module.register_parameter = register_on_meta
@@ -436,7 +436,7 @@ def check_requests(requests: Sequence[Request]) -> None:
             )
 
 
-def _like(param: nn.Parameter, data: Tensor) -> nn.Parameter:
+def parameter_like(param: nn.Parameter, data: Tensor) -> nn.Parameter:
     """A Parameter of `param`'s class and requires_grad holding `data`, with its Python
     attributes (a Hugging Face flag or two)."""
     new = torch.Tensor._make_subclass(type(param), data, param.requires_grad)
@@ -446,7 +446,7 @@ def _like(param: nn.Parameter, data: Tensor) -> nn.Parameter:
 
 def swap_into(param: nn.Parameter, data: Tensor) -> None:
     """`param` holds `data` from now on; the same object, so ties and references hold."""
-    torch.utils.swap_tensors(param, _like(param, data.detach()))
+    torch.utils.swap_tensors(param, parameter_like(param, data.detach()))
 
 
 def _values(param: nn.Parameter) -> Tensor:

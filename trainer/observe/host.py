@@ -30,7 +30,8 @@ class Reads:
 _counters: list[Reads] = []
 
 
-def _count(why: str) -> None:
+def count_read(why: str) -> None:
+    """Count one host read made elsewhere (the GPU rehearsal's stand-ins for these functions)."""
     for c in _counters:
         c.count += 1
         c.where.append(why)
@@ -38,20 +39,20 @@ def _count(why: str) -> None:
 
 def item(t: torch.Tensor, why: str) -> float | int | bool:
     """`t.item()`, counted."""
-    _count(why)
+    count_read(why)
     return t.item()
 
 
 def tolist(t: torch.Tensor, why: str) -> list:
     """`t.tolist()`, counted."""
-    _count(why)
+    count_read(why)
     return t.tolist()
 
 
 def synchronize(device: torch.device, why: str) -> None:
     """Wait until `device` has run everything queued on it (a no-op off CUDA: CPU ops
     are done when they return), counted as a read."""
-    _count(why)
+    count_read(why)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -66,7 +67,7 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor, why: str) -> None:
 def wait_event(event: Any, why: str) -> None:
     """Wait until the device has run everything before `event` (a CUDA event), counted
     as a read: the host reads what a copy to the host wrote (mode.offload=host)."""
-    _count(why)
+    count_read(why)
     event.synchronize()
 
 

@@ -1,29 +1,11 @@
 """The file `mode.offload=disk` keeps a rank's state in between optimizer steps: allocated
 in full when the run starts, read and written region by region on background threads.
 
-[Note: the offload file]
-One file per rank, `<mode.offload_dir>/rank<r>.offload` (by default under the run
-directory): a name tied to the run and the rank, never to a Python object, so a run started
-again in the same directory replaces its own file instead of adding one, and nothing else
-ever looks in it (checkpoints copy the values out of it, not the file).
-- Its size is known before the first step (the optimizer's per-element state and the
-  masters it moves, state.py) and `posix_fallocate` reserves every block at once: a disk
-  without room fails the run at start, in one line with the bytes needed and free, never
-  mid-run with SIGBUS or a short write. The file is never memory-mapped.
-- It is opened with O_DIRECT: reads and writes go between the disk and this process's
-  memory, not through the page cache, so the file does not turn into cached memory as
-  large as the state it moved out (with buffered I/O every region is dirty again each
-  step, and the kernel keeps it all: measured, the whole file stayed cached). O_DIRECT
-  wants page-aligned memory, offsets and sizes: regions start at multiples of ALIGN and
-  are whole multiples of it (state.py lays them out so), and the bytes go through one
-  page-aligned staging slot per thread (`SLOT_BYTES`), a copy at memory speed beside the
-  disk's. A file system without O_DIRECT (tmpfs) gets buffered I/O with
-  `posix_fadvise(DONTNEED)` after each region instead, said once in a warning.
-- What the file holds is checked: a read that returns fewer bytes than asked (the file
-  truncated under the run), or a file that is no longer at its path (removed or replaced),
-  is a StorageError naming the file and the region, never zeros or another run's values.
-- The file is removed when the run ends (`close`, from Engine.close); a run killed before
-  that leaves it, and the next run in that directory truncates it first.
+One file per rank, `<mode.offload_dir>/rank<r>.offload`: every block reserved at start (a
+disk without room fails the run then, in one line), opened with O_DIRECT (no page cache),
+each read checked, removed when the run ends. Why each, and what a file system without
+O_DIRECT gets: [Note: the offload file], beside `OffloadFile`. What goes into the file
+and when: [Note: offloaded state] in state.py.
 """
 
 from __future__ import annotations
@@ -72,6 +54,29 @@ class _Slot:
         self.view = memoryview(self.tensor.numpy())  # never resized: numpy may see it
 
 
+# [Note: the offload file]
+# One file per rank, `<mode.offload_dir>/rank<r>.offload` (by default under the run
+# directory): a name tied to the run and the rank, never to a Python object, so a run started
+# again in the same directory replaces its own file instead of adding one, and nothing else
+# ever looks in it (checkpoints copy the values out of it, not the file).
+# - Its size is known before the first step (the optimizer's per-element state and the
+#   masters it moves, state.py) and `posix_fallocate` reserves every block at once: a disk
+#   without room fails the run at start, in one line with the bytes needed and free, never
+#   mid-run with SIGBUS or a short write. The file is never memory-mapped.
+# - It is opened with O_DIRECT: reads and writes go between the disk and this process's
+#   memory, not through the page cache, so the file does not turn into cached memory as
+#   large as the state it moved out (with buffered I/O every region is dirty again each
+#   step, and the kernel keeps it all: measured, the whole file stayed cached). O_DIRECT
+#   wants page-aligned memory, offsets and sizes: regions start at multiples of ALIGN and
+#   are whole multiples of it (state.py lays them out so), and the bytes go through one
+#   page-aligned staging slot per thread (`SLOT_BYTES`), a copy at memory speed beside the
+#   disk's. A file system without O_DIRECT (tmpfs) gets buffered I/O with
+#   `posix_fadvise(DONTNEED)` after each region instead, said once in a warning.
+# - What the file holds is checked: a read that returns fewer bytes than asked (the file
+#   truncated under the run), or a file that is no longer at its path (removed or replaced),
+#   is a StorageError naming the file and the region, never zeros or another run's values.
+# - The file is removed when the run ends (`close`, from Engine.close); a run killed before
+#   that leaves it, and the next run in that directory truncates it first.
 class OffloadFile:
     """`nbytes` (a multiple of ALIGN) reserved at `path` ([Note: the offload file]), with
     one reader and one writer thread, each with its own staging slot: `read_async` and

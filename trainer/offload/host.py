@@ -2,38 +2,10 @@
 and optimizer state, stepped there by torch's fused CPU optimizer, with the gradients
 copied down and the updated parameters copied back up on a stream of their own.
 
-[Note: host offload]
-Per rank, for its shard (S values per sharded buffer: zero's buckets, fsdp's units):
-- On the host: every buffer's fp32 master, which becomes the optimizer's (its pieces are
-  views of it, so the optimizer, the lr schedule and checkpoints see host tensors like
-  any others); the optimizer's per-element state, made there by the optimizer itself at
-  its first step, in plain host memory, since it never crosses to the device; and a
-  gradient buffer per buffer that the step reads.
-- On the device: what forward and backward need. zero: the full parameters in the
-  compute dtype; fsdp: the shard each unshard gathers, kept in the compute dtype
-  (`device_shard`), so it is cast once a step instead of at every unshard; and, in both,
-  the gradient shard from its reduction until the step has copied it.
-Master and gradient cross the bus every step, so they are pinned, in one arena per rank
-sized to the byte (`PinnedArena`: the sum of the regions, each a whole number of pages)
-and registered with the driver, instead of blocks from torch's caching host allocator,
-which rounds each up to a power of two (1.9x the memory, in several projects).
-
-The step (`step`), after the device has unscaled and clipped the gradients: each
-buffer's gradient shard is copied into its host buffer on the offload stream, which
-first waits for the compute stream, and an event is recorded per buffer. Buffer by
-buffer, the host waits for that buffer's event (the one wait a host step cannot do
-without: it reads what the copy wrote; through trainer/observe/host.py, so the rehearsal
-sees it asked for), steps that buffer alone (BufferSteps, as the disk path), and queues
-the copy of its updated master up to the device (`_copy_up`), which runs while the host
-steps the next buffer. In a mixed precision the host casts the master into the buffer's
-gradient region first (free by then, pinned), so the bus carries 2 bytes a value and the
-copy is a plain asynchronous one. Last, the compute stream waits for the offload stream,
-before anything gathers the new parameters or frees a gradient the copy read.
-
-Why each host buffer is safe to reuse: a gradient region is written by the next step's
-copy down, queued on the offload stream after this step's copies up from it; the host
-writes a master (the optimizer) or a region (the cast) only after waiting for the event
-of a copy down queued after every earlier copy up.
+Masters and the gradients the step reads cross the bus every step, so they are pinned, in
+one arena per rank (`PinnedArena`); the optimizer's own state stays in plain host memory.
+What lives where, why one arena, the order of a step's copies and waits and why each host
+buffer is safe to reuse: [Note: host offload], beside `HostOffload`.
 
 On a CPU run the host is the device and the config refuses host offload; the tests run
 this same code on CPU tensors, where each copy is a plain copy and no stream or event
@@ -96,6 +68,38 @@ class PinnedArena:
             self._release = None
 
 
+# [Note: host offload]
+# Per rank, for its shard (S values per sharded buffer: zero's buckets, fsdp's units):
+# - On the host: every buffer's fp32 master, which becomes the optimizer's (its pieces are
+#   views of it, so the optimizer, the lr schedule and checkpoints see host tensors like
+#   any others); the optimizer's per-element state, made there by the optimizer itself at
+#   its first step, in plain host memory, since it never crosses to the device; and a
+#   gradient buffer per buffer that the step reads.
+# - On the device: what forward and backward need. zero: the full parameters in the
+#   compute dtype; fsdp: the shard each unshard gathers, kept in the compute dtype
+#   (`device_shard`), so it is cast once a step instead of at every unshard; and, in both,
+#   the gradient shard from its reduction until the step has copied it.
+# Master and gradient cross the bus every step, so they are pinned, in one arena per rank
+# sized to the byte (`PinnedArena`: the sum of the regions, each a whole number of pages)
+# and registered with the driver, instead of blocks from torch's caching host allocator,
+# which rounds each up to a power of two (1.9x the memory, in several projects).
+#
+# The step (`step`), after the device has unscaled and clipped the gradients: each
+# buffer's gradient shard is copied into its host buffer on the offload stream, which
+# first waits for the compute stream, and an event is recorded per buffer. Buffer by
+# buffer, the host waits for that buffer's event (the one wait a host step cannot do
+# without: it reads what the copy wrote; through trainer/observe/host.py, so the rehearsal
+# sees it asked for), steps that buffer alone (BufferSteps, as the disk path), and queues
+# the copy of its updated master up to the device (`_copy_up`), which runs while the host
+# steps the next buffer. In a mixed precision the host casts the master into the buffer's
+# gradient region first (free by then, pinned), so the bus carries 2 bytes a value and the
+# copy is a plain asynchronous one. Last, the compute stream waits for the offload stream,
+# before anything gathers the new parameters or frees a gradient the copy read.
+#
+# Why each host buffer is safe to reuse: a gradient region is written by the next step's
+# copy down, queued on the offload stream after this step's copies up from it; the host
+# writes a master (the optimizer) or a region (the cast) only after waiting for the event
+# of a copy down queued after every earlier copy up.
 class HostOffload:
     """The masters and optimizer state of `buffers` (sharded.py's ShardedBuffer) on the
     host ([Note: host offload]); `targets[i]` is the device tensor buffer i's master goes

@@ -1,30 +1,12 @@
 """What `mode.offload=disk` keeps out of memory between optimizer steps, and the step
 that brings it back one sharded buffer at a time (zero's buckets, fsdp's units).
 
-[Note: offloaded state]
-Each rank's share of the optimizer state lives in its offload file (disk.py) between
-steps: the per-element tensors of every piece (AdamW's two moments, SGD's momentum), and,
-where the mode keeps it apart from the compute parameters and reads it only in the step,
-the fp32 master (zero in bf16/fp16; not zero in fp32, where the master is a view of the
-parameters, and not fsdp, which gathers every unit from its master at each unshard).
-Gradient shards stay in memory: accumulation and clipping need them before the step.
-
-A tensor moved out keeps its place in the optimizer: the same tensor object, its storage
-resized to 0 bytes (what FSDP does to its flat parameters), resized back and read into
-before it is used. Where a tensor is is therefore its storage size, nothing else to keep
-in step with; the memory monitor, which counts storages, sees it gone.
-
-The step (`step`): buffer i's state is read while buffer i-1 steps and buffer i-2's is
-written, on the file's reader and writer threads; so three buffers' state are in memory at
-most, and a step costs about max(the optimizer's arithmetic, the file's I/O). Each buffer
-steps on its own: the other buffers' pieces have no `.grad` while it does, which torch's
-optimizers skip. Their arithmetic is per tensor (one piece, one update, whatever else is in
-the list, the same kernels), so stepping the buffers one by one gives the bits of one step
-over all of them: exactly offload=null's, which the parity tests hold it to. An fp16 step
-skipped on the device (`optimizer.found_inf`) is skipped by every buffer's call alike.
-
-A failed read or write stops the step with the error (StorageError, one line): buffers
-before it stepped, the others not, so the run cannot go on; a checkpoint resumes it.
+Between steps a rank's optimizer state (and zero's separate fp32 masters) sits in its
+offload file (disk.py, [Note: the offload file]); a tensor moved out keeps its place in
+the optimizer, its storage resized to 0 bytes. The step reads one buffer's state while the
+one before steps and the one before that is written, and gives offload=null's bits. What
+moves and what stays, the step and a failed read or write: [Note: offloaded state],
+beside `OffloadedState`.
 """
 
 from __future__ import annotations
@@ -104,6 +86,30 @@ class BufferSteps:
             hook(self.optimizer, (), {})
 
 
+# [Note: offloaded state]
+# Each rank's share of the optimizer state lives in its offload file (disk.py) between
+# steps: the per-element tensors of every piece (AdamW's two moments, SGD's momentum), and,
+# where the mode keeps it apart from the compute parameters and reads it only in the step,
+# the fp32 master (zero in bf16/fp16; not zero in fp32, where the master is a view of the
+# parameters, and not fsdp, which gathers every unit from its master at each unshard).
+# Gradient shards stay in memory: accumulation and clipping need them before the step.
+#
+# A tensor moved out keeps its place in the optimizer: the same tensor object, its storage
+# resized to 0 bytes (what FSDP does to its flat parameters), resized back and read into
+# before it is used. Where a tensor is is therefore its storage size, nothing else to keep
+# in step with; the memory monitor, which counts storages, sees it gone.
+#
+# The step (`step`): buffer i's state is read while buffer i-1 steps and buffer i-2's is
+# written, on the file's reader and writer threads; so three buffers' state are in memory at
+# most, and a step costs about max(the optimizer's arithmetic, the file's I/O). Each buffer
+# steps on its own: the other buffers' pieces have no `.grad` while it does, which torch's
+# optimizers skip. Their arithmetic is per tensor (one piece, one update, whatever else is in
+# the list, the same kernels), so stepping the buffers one by one gives the bits of one step
+# over all of them: exactly offload=null's, which the parity tests hold it to. An fp16 step
+# skipped on the device (`optimizer.found_inf`) is skipped by every buffer's call alike.
+#
+# A failed read or write stops the step with the error (StorageError, one line): buffers
+# before it stepped, the others not, so the run cannot go on; a checkpoint resumes it.
 class OffloadedState:
     """The optimizer state (and `move_masters`: the fp32 masters) of `buffers`, each with
     `pieces` and `master` (sharded.py's ShardedBuffer), kept in a file at `path` between

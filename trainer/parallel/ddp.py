@@ -5,26 +5,13 @@ AllReduce works on the gradients in place, with no copies. A post-accumulate-gra
 reports each parameter's gradient to the bucket queue, which launches a complete
 bucket's AllReduce asynchronously, strictly in bucket order ([Note: buckets in order] in
 buckets.py), while backward carries on with earlier layers. All handles are waited for
-in one place, the end-of-backward callback.
-
-Mixed precision ([Note: master weights] in trainer/parallel/precision.py): buckets hold gradients
-in `reduce_dtype`. When that is the parameters' dtype the `.grad` views work as above;
-otherwise the hook adds each gradient into its slot, casting, and drops autograd's
-(under no_sync too, so micro-batches accumulate in the reduce dtype). After the
-AllReduce the fp32 master of every parameter gets its slice of the bucket (or of an fp32
-copy of it) as `.grad`; the optimizer steps the masters and the module's parameters are
-cast from them. With `reduce_dtype=int8` the fp32 buckets are AllReduced as int8 blocks
-both ways (comm/quantized.py `all_reduce_int8`: quantized, all-to-all, summed in fp32 by
-each chunk's owner, quantized once more and AllGathered), every rank keeping the same
-dequantized mean; both phases are launched while backward runs, the AllGather as soon as
-the all-to-all has arrived ([Note: int8 AllReduce in two chained phases]). With
-`mode.error_feedback` both roundings are fed back: each rank keeps its send's errors and
-those of the chunk's mean it owns ([Note: error feedback on both roundings]).
+in one place, the end of backward, which also launches the buckets still pending; it runs
+from autograd's end-of-backward callback ([Note: end of backward] in engine.py), so a
+plain `loss.backward()` works.
 
 Parameters no rank used get no gradient, as in torch DDP: the last bucket carries one
-used-flag per parameter ([Note: used flags] in used.py). The end of backward (waiting for
-every bucket, launching those still pending) runs from autograd's end-of-backward
-callback ([Note: end of backward] in engine.py), so a plain `loss.backward()` works.
+used-flag per parameter ([Note: used flags] in used.py). Buckets in another dtype than the
+parameters (mixed precision, int8): [Note: ddp's reduce dtype], beside `DDPEngine`.
 """
 
 from __future__ import annotations
@@ -74,6 +61,22 @@ class _Bucket:
         self.owner_error: torch.Tensor | None = None
 
 
+# [Note: ddp's reduce dtype]
+# Buckets hold gradients in `reduce_dtype` ([Note: master weights] in
+# trainer/parallel/precision.py). When that is the parameters' dtype the `.grad` views work
+# as the module docstring says; otherwise the hook adds each gradient into its slot,
+# casting, and drops autograd's (under no_sync too, so micro-batches accumulate in the
+# reduce dtype). After the AllReduce the fp32 master of every parameter gets its slice of
+# the bucket (or of an fp32 copy of it) as `.grad`; the optimizer steps the masters and the
+# module's parameters are cast from them.
+#
+# With `reduce_dtype=int8` the fp32 buckets are AllReduced as int8 blocks both ways
+# (comm/quantized.py `all_reduce_int8`: quantized, all-to-all, summed in fp32 by each
+# chunk's owner, quantized once more and AllGathered), every rank keeping the same
+# dequantized mean; both phases are launched while backward runs, the AllGather as soon as
+# the all-to-all has arrived ([Note: int8 AllReduce in two chained phases]). With
+# `mode.error_feedback` both roundings are fed back: each rank keeps its send's errors and
+# those of the chunk's mean it owns ([Note: error feedback on both roundings]).
 class DDPEngine(Engine):
     name = "ddp"
     grads_sent = 2.0  # AllReduce
@@ -121,7 +124,8 @@ class DDPEngine(Engine):
             for b in self.buckets:
                 b.masters = [nn.Parameter(p.detach().float().clone()) for p in b.params]
             self.frozen.cast(self.module, self.precision.param_dtype)
-        # .grad views into the buckets when dtypes allow, else copies into them
+        # [Note: ddp's reduce dtype]: .grad views into the buckets when dtypes allow, else
+        # copies into them
         self._views = all(p.dtype == mp.reduce_dtype for p in params)
         self._separate_grads = mp.mixed or not self._views  # masters get their own .grad
         names = {id(p): n for n, p in named}

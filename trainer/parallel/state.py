@@ -1,42 +1,12 @@
 """What a checkpoint needs of an engine: where each rank's trainable state lives (its
 groups and their pieces), that state as CPU copies, and loading it back.
 
-[Note: shard layout] A group is one flat buffer of the mode (a zero bucket, an fsdp
-unit's buffer; in ddp one parameter) with its parameters' names, shapes and offsets and
-each rank's range of it; checkpoint/recutting.py re-cuts groups of one layout into another
-([Note: re-cutting shards]). Optimizer state is kept per piece ([Note: per-parameter
-optimizer tensors] in pieces.py): per-element tensors laid out like the group, step
-counters by parameter name.
-
-[Note: expert groups in a checkpoint]
-With expert parallelism an expert group (parallel/experts.py) holds, on EP position e,
-rows [e*n/E, (e+1)*n/E) of each stacked expert parameter, sharded (zero, fsdp) over its
-EDP group: rank r holds slice r // E. Its layout entry keeps the local shapes and
-offsets, so that `ranges` are ranges of one rank's flat buffer as for dense groups, and
-adds `expert`: each parameter's full shape (all experts), each rank's EP position and the
-ranks that write it (every rank when sharded, the first EP group when not). Local
-element k of a parameter on EP position e is then element e*L + k of the full parameter
-(L its local numel: rows are the leading dimension, so a slice of rows is one range of
-elements), and a re-cut to another E or P reads the full parameter by ranges as it does
-a dense one (checkpoint/recutting.py).
-
-[Note: error feedback in a checkpoint]
-With `mode.error_feedback` each rank holds, per gradient buffer, the fp32 error of its
-last quantization of its own gradient ((P, C): one row per destination rank), in the
-gradient's units (loss-scaled in fp16, as the scale that is saved with it), and in ddp
-the error of its last quantization of the chunk's mean it owns and AllGathers ((C,),
-[Note: error feedback on both roundings] in comm/quantized.py). They belong to that
-rank alone, so every rank writes its own, replicas included, as `feedback/i` (and
-`feedback/i/owner`) in its data file, and describes them in its index
-(`feedback_layout`: mode, world size, shard group size, expert-parallel size and each
-buffer's parameters). A resume with the same description reads each rank's errors back
-exactly, and the next reduction sends them as if the run had not stopped (a checkpoint
-written before ddp kept owner errors holds none: they start at zero, as that run's
-AllGathers had none). Another one (another world size, mode, bucket size, shard group
-or expert-parallel size) cannot be re-cut: an error is of one rank's local gradient,
-which no rank of the new layout computes; error feedback then restarts at zero, as a
-fresh run's does, with one line saying so: what it loses is the rounding error of one
-step, at most half a quantization step per value and rank (and per rounding, in ddp).
+A group is one flat buffer of the mode with its parameters' names, shapes and offsets
+and each rank's range of it; checkpoint/recutting.py re-cuts groups of one layout into
+another. The notes, beside the functions they explain:
+- `shard_layout`: [Note: shard layout], [Note: expert groups in a checkpoint];
+- `feedback_layout`: [Note: error feedback in a checkpoint], each rank's own errors;
+- `live_state`: [Note: live state], what a replica group that restarted heals from.
 """
 
 from __future__ import annotations
@@ -52,6 +22,25 @@ from trainer.parallel.engine import Engine
 from trainer.parallel.pieces import ShardGroup
 
 
+# [Note: shard layout]
+# A group is one flat buffer of the mode (a zero bucket, an fsdp unit's buffer; in ddp one
+# parameter) with its parameters' names, shapes and offsets and each rank's range of it;
+# checkpoint/recutting.py re-cuts groups of one layout into another
+# ([Note: re-cutting shards]). Optimizer state is kept per piece
+# ([Note: per-parameter optimizer tensors] in pieces.py): per-element tensors laid out like
+# the group, step counters by parameter name.
+#
+# [Note: expert groups in a checkpoint]
+# With expert parallelism an expert group (parallel/experts.py) holds, on EP position e,
+# rows [e*n/E, (e+1)*n/E) of each stacked expert parameter, sharded (zero, fsdp) over its
+# EDP group: rank r holds slice r // E. Its layout entry keeps the local shapes and
+# offsets, so that `ranges` are ranges of one rank's flat buffer as for dense groups, and
+# adds `expert`: each parameter's full shape (all experts), each rank's EP position and the
+# ranks that write it (every rank when sharded, the first EP group when not). Local
+# element k of a parameter on EP position e is then element e*L + k of the full parameter
+# (L its local numel: rows are the leading dimension, so a slice of rows is one range of
+# elements), and a re-cut to another E or P reads the full parameter by ranges as it does
+# a dense one (checkpoint/recutting.py).
 def shard_layout(engine: Engine) -> dict[str, Any]:
     """Mode, world size and, per group, the parameters' names, shapes and offsets in
     the flat buffer and each rank's range of it: what a checkpoint needs to re-cut."""
@@ -102,6 +91,23 @@ def shard_layout(engine: Engine) -> dict[str, Any]:
     }
 
 
+# [Note: error feedback in a checkpoint]
+# With `mode.error_feedback` each rank holds, per gradient buffer, the fp32 error of its
+# last quantization of its own gradient ((P, C): one row per destination rank), in the
+# gradient's units (loss-scaled in fp16, as the scale that is saved with it), and in ddp
+# the error of its last quantization of the chunk's mean it owns and AllGathers ((C,),
+# [Note: error feedback on both roundings] in comm/quantized.py). They belong to that
+# rank alone, so every rank writes its own, replicas included, as `feedback/i` (and
+# `feedback/i/owner`) in its data file, and describes them in its index
+# (`feedback_layout`: mode, world size, shard group size, expert-parallel size and each
+# buffer's parameters). A resume with the same description reads each rank's errors back
+# exactly, and the next reduction sends them as if the run had not stopped (a checkpoint
+# written before ddp kept owner errors holds none: they start at zero, as that run's
+# AllGathers had none). Another one (another world size, mode, bucket size, shard group
+# or expert-parallel size) cannot be re-cut: an error is of one rank's local gradient,
+# which no rank of the new layout computes; error feedback then restarts at zero, as a
+# fresh run's does, with one line saying so: what it loses is the rounding error of one
+# step, at most half a quantization step per value and rank (and per rounding, in ddp).
 def feedback_layout(engine: Engine) -> dict[str, Any] | None:
     """What a checkpoint says of this rank's error feedback buffers, None without error
     feedback ([Note: error feedback in a checkpoint]): `buffers` holds, per buffer, its

@@ -1,48 +1,19 @@
 """Fake CUDA: tensors on "cuda" without a GPU, and streams and events that check the order
 trainer/comm/collectives.py's [Note: communication streams] promises.
 
-[Note: fake CUDA tensors]
-torch's FakeTensorMode makes `device="cuda"` tensors on a CPU-only machine: shapes,
-dtypes and devices propagate, nothing is allocated, no kernel runs, and an op mixing a
-CPU tensor with a CUDA one raises FakeTensorDeviceMismatchError. Two things stop the
-real engines there, and `fake_cuda()` changes both while it is installed:
-  - autograd: a fake tensor tells C++ its device is cuda, so the backward engine asks
-    the CUDA driver for the current streams and fails. Fake tensors are made with
-    their C++ device left at meta (`dispatch_device=False`); `.device` and `.is_cuda`
-    answer from the fake device in Python, which is all trainer code looks at.
-  - torch.cuda's streams, events and synchronize need a driver: the stand-ins below
-    replace them, in torch.cuda and in collectives.py's `_cuda`.
-What C++ then believes has consequences, each undone here: a tensor C++ makes from a
-fake tensor's options (inside a composite op, or in torch's grouping of tensors by
-device) is on meta, and takes the device of the op's other tensors (`_adopt_meta`, and
-`_find_common_device` ignoring meta beside them: CPU and CUDA still may not mix);
-`Tensor.to` compares C++ devices, so to("meta") and to("cuda") of a tensor already
-there answer from the fake device; `swap_tensors` (materialize.swap_into) refuses the
-weak reference FakeTensorMode keeps to every fake tensor; torch.load and checkpoint
-checksums run on real host tensors, and a fake host tensor's bytes are zeros.
+`fake_cuda()` installs it for a block and yields the `Checker`. Under torch's
+FakeTensorMode, factory calls with device="cuda" make fake CUDA tensors (shapes, dtypes
+and devices; no memory, no kernels), and the stand-ins here replace torch.cuda's streams,
+events and synchronize. `Tracker` sees every op on a fake CUDA tensor, the fake process
+group (world.py) every collective, and the `Checker` refuses, in one line naming the op,
+its tag and the lines involved, a buffer used on a stream not yet ordered after its last
+write on another, one written or freed while a collective still uses it, and a host read
+inside a step that does not go through trainer/observe/host.py.
 
-[Note: checking stream order]
-Every stream keeps a vector clock: the number of ops it has run, and for every other
-stream the last of that stream's ops it is ordered after (through `wait_stream`,
-`wait_event` and a host synchronize). The dispatch mode below sees every op on a fake
-CUDA tensor, the arguments it writes (the schema's `a!`) and those it reads, and the
-fake process group (world.py) records what each collective reads and writes on NCCL's
-own stream. For each storage the checker keeps its last write and the reads since, and
-refuses, naming the collective's op and tag and the lines involved:
-  - a read or write of a buffer last written on another stream that this stream is
-    not ordered after (a result consumed before the wait on its event);
-  - a write of a buffer that an op on another stream still reads (a send buffer
-    reused while its collective is in flight);
-  - the free of a buffer (its last reference dropped, or `resize_(0)` of its storage)
-    that another stream used after the stream it was allocated on last waited for it,
-    unless `record_stream` named that stream: the allocator would hand the memory out
-    again on the allocating stream while the collective still uses it. A Handle's
-    hold list keeps its tensors alive until its wait, which is why the trainer needs
-    no `record_stream`.
-Inside a step (`Checker.step()`), a host read of a CUDA value (`.item()`, `nonzero`,
-`.cpu()`, a copy to the host) or a synchronize is refused unless it goes through
-trainer/observe/host.py; the values such reads return are made up (the tensors have
-none), chosen per read in `Checker.values`.
+Read next, each beside the code it explains:
+- `fake_cuda`: [Note: fake CUDA tensors], what fake tensors change and what is patched so
+  that the engines run on them;
+- `Checker`: [Note: checking stream order], the streams' vector clocks and the rules.
 """
 
 from __future__ import annotations
@@ -77,6 +48,7 @@ from trainer.comm import collectives
 from trainer.models import materialize
 from trainer.observe import host
 from trainer.offload import host as offload_host
+from trainer.rehearse.patches import Patches
 
 TRAINER = str(Path(trainer.__file__).parent) + "/"
 HERE = str(Path(__file__).parent) + "/"
@@ -122,11 +94,11 @@ class Stream:
         self.clock: dict[Stream, int] = {self: 0}
 
     def wait_stream(self, other: Stream) -> None:
-        _merge(self.clock, other.clock)
+        merge_clock(self.clock, other.clock)
 
     def wait_event(self, event: Event) -> None:
         if event.clock is not None:  # an event never recorded: nothing to wait for
-            _merge(self.clock, event.clock)
+            merge_clock(self.clock, event.clock)
 
     def record_event(self, event: Event | None = None) -> Event:
         event = event or Event()
@@ -174,7 +146,8 @@ class Event:
         return (end.time - self.time) * 1e-3  # ms: any increasing figure will do
 
 
-def _merge(into: dict[Stream, int], other: dict[Stream, int]) -> None:
+def merge_clock(into: dict[Stream, int], other: dict[Stream, int]) -> None:
+    """`into` is ordered after everything `other` is ordered after (a vector clock's join)."""
     for s, n in other.items():
         if into.get(s, 0) < n:
             into[s] = n
@@ -220,7 +193,7 @@ def synchronize(device: Any = None) -> None:
     c = checker()
     everything: dict[Stream, int] = {}
     for s in c.streams:
-        _merge(everything, s.clock)
+        merge_clock(everything, s.clock)
     c.host_sync("torch.cuda.synchronize()", everything)
 
 
@@ -272,6 +245,28 @@ def is_fake_cuda(t: Any) -> bool:
     return isinstance(t, FakeTensor) and t.fake_device.type == "cuda"
 
 
+# [Note: checking stream order]
+# Every stream keeps a vector clock: the number of ops it has run, and for every other
+# stream the last of that stream's ops it is ordered after (through `wait_stream`,
+# `wait_event` and a host synchronize). The dispatch mode below sees every op on a fake
+# CUDA tensor, the arguments it writes (the schema's `a!`) and those it reads, and the
+# fake process group (world.py) records what each collective reads and writes on NCCL's
+# own stream. For each storage the checker keeps its last write and the reads since, and
+# refuses, naming the collective's op and tag and the lines involved:
+#   - a read or write of a buffer last written on another stream that this stream is
+#     not ordered after (a result consumed before the wait on its event);
+#   - a write of a buffer that an op on another stream still reads (a send buffer
+#     reused while its collective is in flight);
+#   - the free of a buffer (its last reference dropped, or `resize_(0)` of its storage)
+#     that another stream used after the stream it was allocated on last waited for it,
+#     unless `record_stream` named that stream: the allocator would hand the memory out
+#     again on the allocating stream while the collective still uses it. A Handle's
+#     hold list keeps its tensors alive until its wait, which is why the trainer needs
+#     no `record_stream`.
+# Inside a step (`Checker.step()`), a host read of a CUDA value (`.item()`, `nonzero`,
+# `.cpu()`, a copy to the host) or a synchronize is refused unless it goes through
+# trainer/observe/host.py; the values such reads return are made up (the tensors have
+# none), chosen per read in `Checker.values`.
 class Checker:
     """The state of one rehearsal: streams, storages, what a step may read on the host."""
 
@@ -390,8 +385,8 @@ class Checker:
     def host_sync(self, what: str, clock: dict[Stream, int]) -> None:
         self.host_read(what)
         for s in self.streams:  # everything queued later is ordered after what finished
-            _merge(s.clock, clock)
-        _merge(self.host_clock, clock)
+            merge_clock(s.clock, clock)
+        merge_clock(self.host_clock, clock)
 
     def host_written(self, t: torch.Tensor, why: str) -> None:
         """A copy queued on the current stream writes host tensor `t`."""
@@ -629,36 +624,26 @@ def _to_host(name: str, args, kwargs) -> bool:
 # Installing it
 
 
-class _Patches:
-    """setattr that remembers the old values, restored in reverse order."""
-
-    def __init__(self) -> None:
-        self.saved: list[tuple[Any, str, Any]] = []
-
-    def set(self, obj: Any, name: str, value: Any) -> None:
-        self.saved.append(
-            (
-                obj,
-                name,
-                obj.__dict__.get(name, _MISSING)
-                if hasattr(obj, "__dict__")
-                else getattr(obj, name),
-            )
-        )
-        setattr(obj, name, value)
-
-    def undo(self) -> None:
-        for obj, name, old in reversed(self.saved):
-            if old is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-        self.saved.clear()
-
-
-_MISSING = object()
-
-
+# [Note: fake CUDA tensors]
+# torch's FakeTensorMode makes `device="cuda"` tensors on a CPU-only machine: shapes,
+# dtypes and devices propagate, nothing is allocated, no kernel runs, and an op mixing a
+# CPU tensor with a CUDA one raises FakeTensorDeviceMismatchError. Two things stop the
+# real engines there, and `fake_cuda()` changes both while it is installed:
+#   - autograd: a fake tensor tells C++ its device is cuda, so the backward engine asks
+#     the CUDA driver for the current streams and fails. Fake tensors are made with
+#     their C++ device left at meta (`dispatch_device=False`); `.device` and `.is_cuda`
+#     answer from the fake device in Python, which is all trainer code looks at.
+#   - torch.cuda's streams, events and synchronize need a driver: the stand-ins above
+#     (`Stream`, `Event`, `synchronize`) replace them, in torch.cuda and in
+#     collectives.py's `_cuda`.
+# What C++ then believes has consequences, each undone here: a tensor C++ makes from a
+# fake tensor's options (inside a composite op, or in torch's grouping of tensors by
+# device) is on meta, and takes the device of the op's other tensors (`_adopt_meta`, and
+# `_find_common_device` ignoring meta beside them: CPU and CUDA still may not mix);
+# `Tensor.to` compares C++ devices, so to("meta") and to("cuda") of a tensor already
+# there answer from the fake device; `swap_tensors` (materialize.swap_into) refuses the
+# weak reference FakeTensorMode keeps to every fake tensor; torch.load and checkpoint
+# checksums run on real host tensors, and a fake host tensor's bytes are zeros.
 @contextlib.contextmanager
 def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
     """Install fake CUDA ([Note: fake CUDA tensors]) and its checker for the block; yields
@@ -666,7 +651,7 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
     tensor made inside is a fake CPU tensor."""
     global _checker
     c = Checker()
-    patches = _Patches()
+    patches = Patches()
     make_subclass = torch.Tensor._make_subclass
 
     def _make_subclass(cls, data, require_grad=False, **kwargs):
@@ -709,16 +694,16 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
 
     patches.set(FakeTensor, "_find_common_device", staticmethod(find_common_device))
 
-    like = materialize._like
+    like = materialize.parameter_like
 
     def like_fake(param: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
-        # A FakeTensor keeps its device in its __dict__, which _like copies from `param`
+        # A FakeTensor keeps its device in its __dict__, which parameter_like copies from `param`
         new = like(param, data)
         if isinstance(data, FakeTensor):
             new.__dict__.update(data.__dict__)
         return new
 
-    patches.set(materialize, "_like", like_fake)
+    patches.set(materialize, "parameter_like", like_fake)
     # swap_tensors (materialize.swap_into) refuses a tensor with weak references, and
     # FakeTensorMode keeps one to every fake tensor, for its own bookkeeping only
     patches.set(
@@ -808,7 +793,7 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
             return item(t, why)
         c.permitted.append(why)
         try:
-            host._count(why)
+            host.count_read(why)
             c.host_read(f"host.item ({why})")
             return c.value(t, why, "item")
         finally:
@@ -819,7 +804,7 @@ def fake_cuda(device_name: str = "NVIDIA H100 80GB HBM3") -> Iterator[Checker]:
             return tolist(t, why)
         c.permitted.append(why)
         try:
-            host._count(why)
+            host.count_read(why)
             c.host_read(f"host.tolist ({why})")
             return c.value(t, why, "tolist")
         finally:

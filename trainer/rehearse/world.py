@@ -25,6 +25,7 @@ import torch.distributed as dist
 from trainer.comm import all_to_all, collectives
 from trainer.rehearse import cuda
 from trainer.rehearse.cuda import Violation, checker, is_fake_cuda, where
+from trainer.rehearse.patches import Patches
 
 
 class Group:
@@ -46,7 +47,7 @@ class Work:
 
     def wait(self, timeout: Any = None) -> bool:
         if self.clock is not None:
-            cuda._merge(cuda.current_stream().clock, self.clock)
+            cuda.merge_clock(cuda.current_stream().clock, self.clock)
         return True
 
     def is_completed(self) -> bool:
@@ -210,7 +211,7 @@ def fake_world(rank: int, size: int) -> Iterator[World]:
     """Install a world of `size` ranks seen from `rank` ([Note: a world of one rank]) for
     the block; torch.distributed's functions come back at its end."""
     w = World(rank, size)
-    patches = cuda._Patches()
+    patches = Patches()
     for name in NATIVE:
         patches.set(dist, name, getattr(w, name))
     # recent torch's names for the flat collectives (collectives.NATIVE_NAMES)
