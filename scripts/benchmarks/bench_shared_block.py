@@ -1,14 +1,19 @@
-"""Peak memory of a weight-shared block called again after N other blocks: mode=fsdp
-(reshard_after_forward=true) against torch FSDP2, side by side in one run.
+"""Peak memory of a weight-shared block called again after other blocks: mode=fsdp
+(reshard_after_forward=true) against torch FSDP2, side by side in one run: the table of
+docs/control_flow.md, "A unit called again after another".
 
-    python scripts/benchmarks/bench_shared_block.py --nproc 2 --others 3,8,16 --md shared.md
-    torchrun --standalone --nproc-per-node=2 scripts/benchmarks/bench_shared_block.py ...   # the same
+    python scripts/benchmarks/bench_shared_block.py --nproc 2 --others 3,8,16 \
+        --pattern between,before_each --registered first,last --md shared.md
+    torchrun --standalone --nproc-per-node=2 scripts/benchmarks/bench_shared_block.py ...  # same
 
-The model: `shared`, then N other residual blocks, then `shared` again, then a linear
-head (`x = shared(x); for o in others: x = o(x); x = shared(x)`); each block is two
-Linear(width, width). Ours: `build_engine(model, "fsdp", ...)`, every block a unit.
-FSDP2: `fully_shard` on every block, then on the root, reshard_after_forward=True, as
-its own tests do. Both step AdamW.
+The model: N other residual blocks and `shared`, then a linear head; each block is two
+Linear(width, width). `--pattern between`: `shared`, the N others, `shared` again (`x =
+shared(x); for o in others: x = o(x); x = shared(x)`); `before_each`: `shared` before
+each other block, N calls (`for o in others: x = o(shared(x))`, ALBERT's). `--registered
+first` assigns `shared` before the others in `__init__`, `last` after them (the order of
+the module's parameters and of fsdp's units). Ours: `build_engine(model, "fsdp", ...)`,
+every block a unit. FSDP2: `fully_shard` on every block, then on the root,
+reshard_after_forward=True, as its own tests do. Both step AdamW.
 
 What is measured: the live memory of each rank, the C heap in use (every tensor's
 storage on CPU comes from malloc: [Note: the CPU step peak] in trainer/observe/heap.py),
@@ -17,7 +22,8 @@ block's backward (hooks on its output's and its input's gradient). A step's peak
 its steady state is the highest sample minus the heap in use when its forward starts
 (model state and optimizer state then live; from the second step on, AdamW's moments
 exist), in units of one block's fp32 parameters; the table gives the highest over the
-measured steps and the ranks. Activations count too (the same in both: a batch of
+measured steps and the ranks, and the first step's apart (`first`: its forward comes
+before any call order is known). Activations count too (the same in both: a batch of
 `--batch-per-rank` rows is small against a block), and so does the summed gradient of
 the shared block, which autograd keeps between its calls' backwards in both.
 """
@@ -42,6 +48,8 @@ from trainer import comm  # noqa: E402
 from trainer.observe.heap import heap_bytes  # noqa: E402
 
 CONTENDERS = ("fsdp", "torch_fsdp2")
+PATTERNS = ("between", "before_each")
+REGISTERED = ("first", "last")  # `shared` assigned before the other blocks, or after them
 
 
 class Block(nn.Module):
@@ -56,19 +64,32 @@ class Block(nn.Module):
         return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
-class SharedBetween(nn.Module):
-    """`shared`, N other blocks, `shared` again, a head."""
+class SharedBlock(nn.Module):
+    """N other blocks and `shared`, registered in the order `registered` says, called in
+    `pattern`'s, then a head."""
 
-    def __init__(self, n: int, width: int):
+    def __init__(self, n: int, width: int, pattern: str = "between", registered: str = "first"):
         super().__init__()
-        self.shared = Block(width)
+        if pattern not in PATTERNS or registered not in REGISTERED:
+            raise ValueError(
+                f"pattern {pattern!r} of {PATTERNS}, registered {registered!r} of {REGISTERED}"
+            )
+        self.pattern = pattern
+        if registered == "first":
+            self.shared = Block(width)
         self.others = nn.ModuleList(Block(width) for _ in range(n))
+        if registered == "last":
+            self.shared = Block(width)
         self.head = nn.Linear(width, 1)
 
     def blocks(self) -> list[nn.Module]:
         return [self.shared, *self.others]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pattern == "before_each":
+            for other in self.others:
+                x = other(self.shared(x))
+            return self.head(x)
         x = self.shared(x)
         for other in self.others:
             x = other(x)
@@ -150,22 +171,32 @@ def _torch_fsdp2(model: nn.Module, lr: float) -> tuple[Callable, Callable, Calla
 
 
 def peak_units(
-    contender: str, n: int, width: int = 256, batch: int = 8, steps: int = 3
+    contender: str,
+    n: int,
+    width: int = 256,
+    batch: int = 8,
+    steps: int = 3,
+    pattern: str = "between",
+    registered: str = "first",
 ) -> dict[str, float]:
     """This rank's highest peak above steady state over steps 2..`steps` (1-based) of a
-    model with the shared block between `n` others (`peak`), and the gradient slices
-    this rank holds after a backward (`grad_slices`: model state that appears during
-    backward, the optimizer's gradients), both in units of one block's fp32 parameters.
-    Needs a process group (every rank calls it alike)."""
+    model with the shared block and `n` others (`SharedBlock`'s `pattern` and
+    `registered`) (`peak`), the first step's peak above its start (`first`), and the
+    gradient slices this rank holds after a backward (`grad_slices`: model state that
+    appears during backward, the optimizer's gradients), all in units of one block's
+    fp32 parameters. Needs a process group (every rank calls it alike)."""
+    import gc
+
+    gc.collect()  # the last case's engine (hooks make cycles) is not freed mid-measure
     torch.manual_seed(0)
-    model = SharedBetween(n, width)
+    model = SharedBlock(n, width, pattern, registered)
     unit = sum(p.numel() for p in model.shared.parameters()) * 4
     run, step, slices = (_ours if contender == "fsdp" else _torch_fsdp2)(model, 1e-3)
     samples = _Samples()
     for block in model.blocks():
         samples.watch(block)
     g = torch.Generator().manual_seed(comm.rank())
-    high = 0
+    high = first = 0
     for i in range(steps):
         x = torch.randn(batch, width, generator=g)
         samples.start()
@@ -174,20 +205,28 @@ def peak_units(
         step()
         if i:  # the first step builds AdamW's moments: no steady state before it
             high = max(high, samples.high - samples.base)
+        else:
+            first = samples.high - samples.base
     del run, step, model
-    return {"peak": high / unit, "grad_slices": grads / unit}
+    return {"peak": high / unit, "first": first / unit, "grad_slices": grads / unit}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--others", default="3,8,16", help="other blocks between the calls")
+    ap.add_argument("--others", default="3,8,16", help="other blocks (N), comma-separated")
+    ap.add_argument("--pattern", default=",".join(PATTERNS), help=f"of {PATTERNS}")
+    ap.add_argument("--registered", default=",".join(REGISTERED), help=f"of {REGISTERED}")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch-per-rank", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4, help="steps each; the first unmeasured")
     ap.add_argument("--nproc", type=int, default=2, help="ranks, when not under torchrun")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag, valid in (("pattern", PATTERNS), ("registered", REGISTERED)):
+        if unknown := set(getattr(args, flag).split(",")) - set(valid):
+            ap.error(f"--{flag}: {', '.join(sorted(unknown))} is none of {', '.join(valid)}")
+    return args
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -195,10 +234,18 @@ def run(args: argparse.Namespace) -> dict | None:
 
     env = tdist.init("gloo")
     rows = {}
-    for n in (int(v) for v in args.others.split(",")):
-        for contender in CONTENDERS:
-            mine = peak_units(contender, n, args.width, args.batch_per_rank, args.steps)
-            rows[f"{contender} N={n}"] = comm.all_gather_object(mine)
+    cases = [(p, r) for p in args.pattern.split(",") for r in args.registered.split(",")]
+    # Unmeasured: the process's first collectives and ops allocate what it keeps (Gloo's
+    # buffers, thread pools), which would count in the first case's first step.
+    peak_units("fsdp", 1, args.width, args.batch_per_rank, 2)
+    peak_units("torch_fsdp2", 1, args.width, args.batch_per_rank, 2)
+    for pattern, registered in cases:
+        for n in (int(v) for v in args.others.split(",")):
+            for contender in CONTENDERS:
+                mine = peak_units(
+                    contender, n, args.width, args.batch_per_rank, args.steps, pattern, registered
+                )
+                rows[f"{pattern} {registered} {contender} N={n}"] = comm.all_gather_object(mine)
     tdist.shutdown()
     if env.rank != 0:
         return None
@@ -206,20 +253,24 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def markdown(result: dict) -> str:
-    """Per contender and N: the highest peak over the ranks (each rank's in brackets),
-    and that peak less the rank's gradient slices."""
+    """Per pattern, registration order and contender, for each N: the highest peak over
+    the ranks, that peak less the rank's gradient slices (in brackets), and the first
+    step's peak."""
     ns = sorted({int(k.split("N=")[1]) for k in result["peaks"]})
-    head = "| contender | " + " | ".join(f"N = {n}" for n in ns) + " |"
-    lines = [head, "|---" * (len(ns) + 1) + "|"]
-    for c in CONTENDERS:
-        peaks, beyond = [], []
-        for n in ns:
-            ranks = result["peaks"][f"{c} N={n}"]
-            each = ", ".join(f"{r['peak']:.1f}" for r in ranks)
-            peaks.append(f"{max(r['peak'] for r in ranks):.1f} ({each})")
-            beyond.append(f"{max(r['peak'] - r['grad_slices'] for r in ranks):.1f}")
-        lines.append(f"| {c}: peak | " + " | ".join(peaks) + " |")
-        lines.append(f"| {c}: peak less gradient slices | " + " | ".join(beyond) + " |")
+    cases = list(dict.fromkeys(k.rsplit(" ", 2)[0] for k in result["peaks"]))
+    head = "| pattern | shared registered | contender | " + " | ".join(f"N = {n}" for n in ns)
+    lines = [head + " |", "|---" * (len(ns) + 3) + "|"]
+    for case in cases:
+        pattern, registered = case.split()
+        for c in CONTENDERS:
+            cells = []
+            for n in ns:
+                ranks = result["peaks"][f"{case} {c} N={n}"]
+                peak = max(r["peak"] for r in ranks)
+                beyond = max(r["peak"] - r["grad_slices"] for r in ranks)
+                first = max(r["first"] for r in ranks)
+                cells.append(f"{peak:.1f} ({beyond:.1f}); first {first:.1f}")
+            lines.append(f"| {pattern} | {registered} | {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -175,7 +175,7 @@ def plan(
             options.get("min_unit_params", 100_000),
             options.get("repeated_children", True),
         )
-        flat_buffers = [  # each unit's dense buffers, then its experts' (fsdp.py's _Unit)
+        flat_buffers = [  # each unit's dense buffers, then its experts' (fsdp_units.py's Unit)
             Flat(
                 [n for n, _ in pairs],
                 FlatLayout.of([p for _, p in pairs], shard // (e if ex else 1)),

@@ -28,7 +28,7 @@ from trainer.parallel.units import DEFAULT_UNIT_CLASSES, units_by_class, units_b
 # (`layer.forward = torch.compile(layer.forward)`), not `layer.compile()`.
 # `nn.Module.compile()` compiles `_call_impl`, the call *with its hooks*: dynamo then
 # traces fsdp's pre- and post-forward hooks, which launch AllGathers, resize storages and
-# swap `p.data` ([Note: parameters as views of one storage] in fsdp.py). It cannot trace
+# swap `p.data` ([Note: parameters as views of one storage] in fsdp_units.py). It cannot trace
 # those and breaks the graph inside each hook (measured: 12 graph breaks in 3 steps of a
 # 2-block GPT at 2 ranks, each a resume function compiled on its own; the results were
 # still equal, but the engine's collectives then run between dynamo's pieces). Compiling

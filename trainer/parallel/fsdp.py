@@ -2,17 +2,19 @@
 optimizer state; a unit's full parameters exist only while it runs.
 
 The model is cut into units (units.py: one per transformer block, residual block or
-large submodule; the root unit holds the rest). Each unit's parameters are one
-ShardedBuffer (sharded.py) per optimizer param group; rank r keeps slice r.
+large submodule; the root unit holds the rest). Each unit's parameters are one buffer
+per optimizer param group (fsdp_units.py: a ShardedBuffer of sharded.py whose full
+parameters are allocated only while gathered); rank r keeps slice r.
 
     forward of unit i   AllGather(unit i) -> compute -> free   (unit i+1 already gathering)
     backward of unit i  AllGather(unit i) -> compute -> ReduceScatter(average) its
                         gradients into slice r -> free         (unit i-1 already gathering)
 
 What each rank holds and sends: the mode table in README.md (memory.py checks runs
-against it; `working_set_bytes` is the transient part). Read next: sharded.py (the
-buffer and its reduce pipeline), units.py (the cut), schedule.py (the one order of
-collectives in backward), engine.py (what every mode shares).
+against it; `working_set_bytes` is the transient part). Read next: fsdp_units.py and
+sharded.py (the buffer and its reduce pipeline), units.py (the cut), schedule.py (the one
+order of collectives, in the order of the calls), calls.py (the record of a forward's
+calls; weight sharing), engine.py (what every mode shares).
 
 `engine.full_state_dict()` is a collective. Between steps the module's parameters are
 empty tensors: count them before building the engine.
@@ -31,149 +33,21 @@ from torch.utils._pytree import tree_leaves
 
 from trainer import comm
 from trainer.comm import groups as comm_groups
-from trainer.comm.groups import Mesh
-from trainer.errors import ConfigError
-from trainer.models.materialize import Source, swap_into
+from trainer.models.materialize import Source
 from trainer.offload.host import HostOffload
 from trainer.offload.state import OffloadedState
 from trainer.parallel.calls import CallRecord, reached_leaves
 from trainer.parallel.engine import Engine, OptimizerFactory, ParamGroupFn, optimizer_state_tensors
 from trainer.parallel.experts import ExpertPlan
+from trainer.parallel.fsdp_units import Unit, UnitBuffer
 from trainer.parallel.local_grads import LocalGrads
-from trainer.parallel.pieces import ShardGroup, split_by_options
+from trainer.parallel.pieces import ShardGroup
 from trainer.parallel.precision import Precision
 from trainer.parallel.scaling import LossScaler
-from trainer.parallel.schedule import Schedule
+from trainer.parallel.schedule import Schedule, agreed_order
 from trainer.parallel.sharded import Reducer, ShardedBuffer, build_optimizer
-from trainer.parallel.units import DEFAULT_UNIT_CLASSES, UnitPlan, plan_units
+from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
 from trainer.parallel.used import Arrivals, UsedFlags
-
-
-class _UnitBuffer(ShardedBuffer):
-    """A unit's ShardedBuffer whose `full` buffer is allocated only while the unit is
-    gathered; `master` is the fp32 slice (mixed precision: each AllGather sends it cast
-    to the compute dtype, as FSDP2's MixedPrecisionPolicy does).
-
-    [Note: parameters as views of one storage]
-    Module parameters stay registered (the same objects autograd knows as leaves) with
-    their values in the one persistent `full` buffer. Freeing resizes its storage to 0
-    and points each parameter at an empty tensor, so code touching a freed parameter
-    fails on its shape instead of reading freed memory. Gathering re-allocates the
-    storage, AllGathers into it and points each parameter back at its view
-    (`p.data = view`). Autograd saves parameters and views of them (`w.t()`) in forward;
-    they share that storage, so they are valid again once the unit is gathered for its
-    backward, while between forward and backward the memory is really free.
-    `p.data = ...` swaps a tensor's storage behind autograd's back, which is unsafe in
-    general; here the swap happens only while no autograd op reads the parameter (before
-    its unit runs, after its gradients exist) and always to the same storage. Swapping
-    in new Parameter objects instead would break the identity that optimizers, hooks and
-    users' references rely on."""
-
-    def __init__(self, *args: Any, device: torch.device) -> None:
-        """ShardedBuffer's arguments, up to `keep_full`: a unit frees its full buffer."""
-        super().__init__(*args, keep_full=False, device=device)
-        self.nbytes = self.full.untyped_storage().nbytes()
-        self.views = self.layout.views(self.full)
-        self.empty = self.full.new_empty(0)
-        self.gather: comm.Handle | None = None  # AllGather in flight into `full`
-        self.gather_group: Any = None  # the twin of its shard group, set by the engine
-        self.again_group: Any = None  # another twin: gathers for a unit's later calls
-        # mode.offload=host: the master in the compute dtype on the device, what each
-        # unshard gathers, copied up after each step ([Note: host offload])
-        self.device_shard: torch.Tensor | None = None
-
-    @property
-    def is_full(self) -> bool:  # gathered, or being gathered
-        return self.full.untyped_storage().nbytes() > 0
-
-    def unshard(self, again: bool = False) -> None:
-        """Launch the AllGather of the full parameters, unless they are there already;
-        `again`: for a later call of the unit in this forward."""
-        if self.is_full:
-            return
-        self.full.untyped_storage().resize_(self.nbytes)
-        # a cast copy in mixed precision; int8 quantizes the master itself (sharded.py);
-        # with host offload the master is on the host, its cast copy here (`device_shard`)
-        if self.device_shard is not None:
-            mine = self.device_shard
-        elif self.precision.gather_int8:
-            mine = self.master
-        else:
-            mine = self.master.detach().to(self.full.dtype)
-        self.gather = self.gather_full(mine, self.again_group if again else self.gather_group)
-
-    def wait(self) -> None:
-        """The AllGather done: the parameters point into `full` again."""
-        if self.gather is not None:
-            self.gather.wait()
-            self.gather = None
-            for p, view in zip(self.params, self.views, strict=True):
-                p.data = view
-
-    def free(self) -> None:
-        self.wait()  # the collective may still be writing into the storage
-        for p in self.params:
-            if p.is_meta:  # built on meta: `p.data =` cannot change a tensor's device
-                swap_into(p, self.empty)
-            else:
-                p.data = self.empty
-        self.full.untyped_storage().resize_(0)
-
-
-class _Unit:
-    """A submodule whose parameters are gathered and freed together: one buffer, or one
-    per optimizer param group (e.g. weights and, with no weight decay, biases and
-    norms), all gathered and reduced at the same points."""
-
-    def __init__(
-        self,
-        tag: str,
-        plan: UnitPlan,
-        used: UsedFlags,
-        mesh: Mesh,
-        mp: Precision,
-        param_options: ParamGroupFn | None,
-        device: torch.device,
-        experts: ExpertPlan | None = None,
-    ):
-        self.tag, self.name, self.module = tag, plan.name or "<root>", plan.module
-        self.params = [p for _, p in plan.params]
-        # The unit's expert parameters ([Note: expert parameters in every mode] in
-        # experts.py) are buffers of their own, sharded over the EDP group; gathered,
-        # freed and reduced with the unit's other buffers. (Built on meta, they have
-        # their rows already while the others are still on meta.)
-        is_expert = experts.holds if experts is not None else lambda p: False
-        dense = [(n, p) for n, p in plan.params if not is_expert(p)]
-        expert = [(n, p) for n, p in plan.params if is_expert(p)]
-        for part in (dense, expert):
-            if len({(p.dtype, p.device) for _, p in part}) > 1:
-                names = [n for n, _ in part]
-                raise ConfigError(f"fsdp unit {self.name!r} mixes dtypes/devices: {names}")
-        groups = [("", opts, pairs, mesh) for opts, pairs in split_by_options(dense, param_options)]
-        if expert:
-            groups += [
-                ("experts", opts, pairs, experts.groups.edp_mesh)
-                for opts, pairs in split_by_options(expert, param_options)
-            ]
-        self.flat_buffers = [
-            _UnitBuffer(
-                tag if i == 0 else f"{tag}.{i}",
-                pairs,
-                [used.index[id(p)] for _, p in pairs],
-                opts,
-                group_mesh,
-                mp,
-                device=device,
-            )
-            for i, (_, opts, pairs, group_mesh) in enumerate(groups)
-        ]
-        self.ready = 0  # parameters whose gradient arrived in this backward
-        self.expected = len(self.params)  # of them, those this rank's forward reached
-        self.done = False  # gradients handled in this backward
-
-    @property
-    def is_full(self) -> bool:  # gathered, or being gathered (nothing to gather: always)
-        return all(b.is_full for b in self.flat_buffers)
 
 
 class FSDPEngine(Engine):
@@ -224,7 +98,7 @@ class FSDPEngine(Engine):
         self._used = UsedFlags([p for u in plans for _, p in u.params])  # [Note: used flags]
         self.units = []
         for tag, plan in zip(tags, plans, strict=True):  # one unit allocated at a time
-            unit = _Unit(
+            unit = Unit(
                 tag, plan, self._used, self.mesh, self.precision, param_options, self.device,
                 experts,
             )  # fmt: skip
@@ -245,18 +119,19 @@ class FSDPEngine(Engine):
         self._flags_buffer = next((b for b in self.root.flat_buffers if b.mesh is self.mesh), None)
         if self._flags_buffer is not None:
             self._flags_buffer.n_flags = len(self._used)
-        # [Note: one collective order on every rank] in schedule.py
+        # [Note: one collective order on every rank] in schedule.py; registration order
+        # until the first forward ends, then its calls' ([Note: the order of the calls])
         self._schedule = Schedule(self.units[1:], self._unshard, self._turn)
         # what each forward ran; the check of forward AllGathers ([Note: a unit called
         # again after another] in calls.py)
         self._record = CallRecord(self.units, self.mesh.shard, self.rank)
-        self._top: _Unit | None = None  # the unit whose forward runs outermost, if any
-        self._pending: _Unit | None = None  # ran last, freed when another unit starts
+        self._top: Unit | None = None  # the unit whose forward runs outermost, if any
+        self._pending: Unit | None = None  # ran last, freed when another unit starts
         # gathered per call in this backward, by id; the one of them whose call's backward
         # ran last, freed when another unit's starts ([Note: a unit called again after
         # another] in calls.py)
-        self._apart: list[_Unit] = []
-        self._back_pending: _Unit | None = None
+        self._apart: list[Unit] = []
+        self._back_pending: Unit | None = None
         # Parameters the forward's outputs reach since the last backward (by id)
         self._expected: set[int] = set()
         self._expect_fresh = True
@@ -287,22 +162,24 @@ class FSDPEngine(Engine):
         self.optimizer = build_optimizer(optimizer, self._buffers())
 
     # -- unshard / reshard ---------------------------------------------------------------
-    def _unshard(self, u: _Unit, again: bool = False) -> None:
+    # How a unit's parameters are freed and gathered again: [Note: parameters as views of
+    # one storage] in fsdp_units.py.
+    def _unshard(self, u: Unit, again: bool = False) -> None:
         """Launch the AllGathers of `u`'s full parameters, unless they are there already."""
         for buf in u.flat_buffers:
             buf.unshard(again)
 
-    def _wait(self, u: _Unit) -> None:
+    def _wait(self, u: Unit) -> None:
         with self._record.timeouts():
             for buf in u.flat_buffers:
                 buf.wait()
 
-    def _reshard(self, u: _Unit) -> None:
+    def _reshard(self, u: Unit) -> None:
         with self._record.timeouts():
             for buf in u.flat_buffers:
                 buf.free()
 
-    def _gather_again(self, u: _Unit, backward: bool) -> None:
+    def _gather_again(self, u: Unit, backward: bool) -> None:
         """Gather `u` on the group of its own unless it is gathered: for a later call in
         a forward, or a call's backward ([Note: a unit called again after another])."""
         if not u.is_full:
@@ -338,7 +215,7 @@ class FSDPEngine(Engine):
     # not run, is reduced last as always and its unused parameters keep no gradient.
     # Such calls keep the ranks paired when every rank makes them alike, as FSDP2 needs:
     # the one order of the schedule starts at the root.
-    def _pre_forward(self, u: _Unit) -> None:
+    def _pre_forward(self, u: Unit) -> None:
         # [Note: activation checkpointing]
         # torch.utils.checkpoint (non-reentrant) reruns a checkpointed unit's forward in
         # backward, hooks included, when autograd first needs one of its activations. That
@@ -384,7 +261,7 @@ class FSDPEngine(Engine):
         self._wait(u)
         comm.record("forward_begin", u.tag)
 
-    def _post_forward(self, u: _Unit, output: Any) -> None:
+    def _post_forward(self, u: Unit, output: Any) -> None:
         if self._in_backward:  # its backward needs the parameters next: keep them, add no hook
             comm.record("recompute_end", u.tag)
             return
@@ -406,6 +283,9 @@ class FSDPEngine(Engine):
         self._top = None
         if u is self.root:
             self._schedule.end_forward()  # units this rank skipped at the end
+            if not self._schedule.settled:  # [Note: the order of the calls]
+                order = agreed_order(self._schedule.units, list(self._record.calls))
+                self._schedule.follow(order)
         elif self.reshard_after_forward:  # [Note: a forward that starts below the root]
             self._reshard(u)
         if self._pending is not None:
@@ -459,7 +339,7 @@ class FSDPEngine(Engine):
             self._schedule.reset_backward(apart)
         super()._begin_backward()
 
-    def _pre_backward(self, u: _Unit) -> None:
+    def _pre_backward(self, u: Unit) -> None:
         self._begin_backward()
         comm.record("backward_begin", u.tag)
         if u.flat_buffers and self._back_pending not in (None, u):  # its call's backward ran
@@ -474,7 +354,7 @@ class FSDPEngine(Engine):
             self._schedule.before_backward(u)  # catch up, u, prefetch
         self._wait(u)
 
-    def _on_grad(self, u: _Unit, p: nn.Parameter) -> None:
+    def _on_grad(self, u: Unit, p: nn.Parameter) -> None:
         self._begin_backward()
         self._used.mark(p)
         self._arrived.add(p)  # refuses a second arrival
@@ -491,7 +371,7 @@ class FSDPEngine(Engine):
         if u.ready == u.expected and u is not self.root:
             self._grads_done(u)
 
-    def _grads_done(self, u: _Unit) -> None:
+    def _grads_done(self, u: Unit) -> None:
         """All of `u`'s gradients exist (or none will come): free its parameters, keep its
         gradients under no_sync, and let the one order go on (which reduces it at its
         turn)."""
@@ -510,7 +390,7 @@ class FSDPEngine(Engine):
         if u is not self.root:
             self._schedule.advance()
 
-    def _turn(self, u: _Unit) -> None:
+    def _turn(self, u: Unit) -> None:
         """`u`'s turn in the backward order: free it if this rank gathered it only to keep
         the order (a unit it gave no gradient), then ReduceScatter its gradients."""
         if u.is_full:
@@ -518,7 +398,7 @@ class FSDPEngine(Engine):
         if self._sync:
             self._reduce(u)
 
-    def _reduce(self, u: _Unit) -> None:
+    def _reduce(self, u: Unit) -> None:
         """ReduceScatter (average) `u`'s gradients into its slices' gradients."""
         for buf in u.flat_buffers:
             for p in buf.params:
@@ -565,7 +445,7 @@ class FSDPEngine(Engine):
         comm.all_reduce(flags, tag="used_flags", account=False).wait()
         return flags
 
-    def _buffers(self) -> list[_UnitBuffer]:
+    def _buffers(self) -> list[UnitBuffer]:
         return [buf for u in self.units for buf in u.flat_buffers]
 
     def working_set_bytes(self) -> int:
@@ -578,7 +458,7 @@ class FSDPEngine(Engine):
         (ranks whose calls differ keep them gathered across their calls' backwards, and
         may hold more)."""
 
-        def full(u: _Unit) -> tuple[int, int]:  # bytes of its full params, of its grads
+        def full(u: Unit) -> tuple[int, int]:  # bytes of its full params, of its grads
             params = sum(b.layout.padded_numel * b.full.element_size() for b in u.flat_buffers)
             grads = sum(b.layout.padded_numel * b.reduce_dtype.itemsize for b in u.flat_buffers)
             return params, grads
@@ -627,7 +507,7 @@ class FSDPEngine(Engine):
             + [b.reduced for b in bufs if b.reduced is not None],
         }
 
-    def feedback_owners(self) -> list[_UnitBuffer]:
+    def feedback_owners(self) -> list[UnitBuffer]:
         return self._buffers() if self.precision.error_feedback else []
 
     def offload_state(self, path: Path) -> None:

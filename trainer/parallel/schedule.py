@@ -1,19 +1,26 @@
 """fsdp's order of collectives, the same on every rank, whatever units each rank runs:
-[Note: one collective order on every rank], beside `Schedule`.
+[Note: one collective order on every rank], beside `Schedule`; the order of the units it
+follows: [Note: the order of the calls], beside `agreed_order`.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
+
+from trainer import comm
+from trainer.observe import host
 
 # [Note: one collective order on every rank]
 # Ranks may run different units (control flow that depends on the rank or its data: a
 # layer some ranks skip, an output some ranks leave out of the loss). Gathering and
 # reducing units as they happen to run would give the ranks different sequences of
 # collectives, which pair up wrongly (equal-size units silently, others with a crash or a
-# hang). So every collective follows one schedule that all ranks share, the units in
-# registration order:
+# hang). So every collective follows one schedule that all ranks share, the units in one
+# order: registration order until the first forward from the root ends, the order of its
+# calls from then on ([Note: the order of the calls]):
 #   forward   every scheduled unit is gathered once, in order: a unit about to run first
 #             gathers the units before it not yet gathered (ones this rank skips, freed
 #             when the forward ends), then itself, then prefetches the next; the root
@@ -34,18 +41,81 @@ from typing import Any
 # ReduceScatters in flight (the wait for the oldest one, to free its input) can never wait
 # for a ReduceScatter that another rank would issue only after an AllGather this rank has
 # not issued yet: the order puts that ReduceScatter first on every rank.
+# That holds while every rank's backward meets its units in the order's reverse, skipping
+# some. Otherwise, with reshard_after_forward=true and ranks that differ (calls that
+# conflict between ranks; calls in another order than the schedule's, some ranks
+# skipping a unit), a rank may wait for a ReduceScatter that a peer can issue only late
+# in its backward, while the peer waits for an AllGather that the first holds back (a
+# prefetch not yet allowed) until its wait ends. Two ranks, six units, one calling them
+# first to last and the other last to first, hang so until the collective timeout.
 # A prefetch that the order does not allow yet is simply issued later. A unit whose
 # parameters are needed before its turn (`need`: an activation-checkpointed region
 # recomputing several units at once) is gathered at once; the same model does the same on
 # every rank, so the order stays common.
-# What it costs: a model whose forward order differs from registration order gathers
-# some units earlier than needed; a unit that no rank runs is still gathered.
+# What it costs: a forward that calls units in another order than the schedule's gathers
+# some units earlier than needed (the first forward, when the calls differ from
+# registration order; later ones, when they differ from the first); a unit that no rank
+# runs is still gathered.
+#
+# [Note: the order of the calls]
+# A unit registered after others but called before them (a weight-shared block assigned
+# after the blocks it runs between: `self.others = ...; self.shared = ...`, then
+# `for o in self.others: x = o(self.shared(x))`) would, in registration order, make its
+# first call gather every unit before it at once, each kept until it runs: the forward
+# then holds the whole model. So when the first forward from the root ends, the schedule
+# takes the order of the calls, as FSDP2's backward prefetch follows the forward's: the
+# ranks exchange the units each called, at its first call (one all_gather_object over
+# all ranks, hybrid sharding too: the replicas' AllReduces follow the order), and every
+# rank takes the one order that all those calls follow (ties in registration order); a
+# unit that no rank called goes right after the first of its registration neighbours
+# there, where a layer skipped in that forward would run.
+# When the ranks' calls conflict (one calls a before b, another b before a), no order
+# fits them all and registration order stays. Once per engine; steps after the first
+# cost nothing. Later forwards that call units in another order still pair up: they
+# only gather some units early. The first forward itself cannot follow calls not yet
+# made: with such a unit it holds what registration order gathers.
+
+
+def agreed_order(units: Sequence[Any], called: Sequence[int]) -> list[Any]:
+    """`units` in the order that every rank's calls follow (`called`: units by id, at
+    their first call in a forward, this rank's), or as they are when the ranks' calls
+    conflict: [Note: the order of the calls]. A collective over all ranks; each must
+    call it at the same point."""
+    index = {id(u): i for i, u in enumerate(units)}
+    mine = [index[k] for k in called if k in index]
+    everyone = comm.all_gather_object(mine) if comm.world_size() > 1 else [mine]
+    host.count_read("fsdp unit order")  # on a GPU, the objects travel through the device
+    later: list[set[int]] = [set() for _ in units]  # units called right after each
+    before = [0] * len(units)  # how many units must come before each
+    for calls in everyone:
+        for a, b in itertools.pairwise(calls):
+            if b not in later[a]:
+                later[a].add(b)
+                before[b] += 1
+    reached = {i for calls in everyone for i in calls}
+    ready = sorted(i for i in reached if before[i] == 0)  # a heap: the lowest index first
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in later[i]:
+            before[j] -= 1
+            if before[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) < len(reached):  # a cycle: one rank calls a before b, another b before a
+        return list(units)
+    for i in range(len(units)):  # no rank called it: where a skipped layer would run
+        if i not in reached:
+            beside = [order.index(j) for j in (i - 1, i + 1) if j in order]
+            order.insert(min(beside) + 1 if beside else len(order), i)
+    return [units[i] for i in order]
 
 
 class Schedule:
-    """The non-root units in registration order, with where this forward and this
-    backward have got to. `unshard(unit)` launches a unit's AllGather unless it is
-    gathered already; `reduce(unit)` is the unit's turn to be reduced (or freed)."""
+    """The non-root units in one order (`units`: registration order until `follow`), with
+    where this forward and this backward have got to. `unshard(unit)` launches a unit's
+    AllGather unless it is gathered already; `reduce(unit)` is the unit's turn to be
+    reduced (or freed)."""
 
     def __init__(
         self,
@@ -53,11 +123,21 @@ class Schedule:
         unshard: Callable[[Any], None],
         reduce: Callable[[Any], None],
     ):
-        self.units = list(units)
         self._unshard, self._reduce = unshard, reduce
+        self.settled = False  # the order of the calls taken (or registration order kept)
+        self._take(units)
+
+    def _take(self, units: Sequence[Any]) -> None:
+        self.units = list(units)
         self._position = {id(u): i for i, u in enumerate(self.units)}
         self._fwd = 0  # next unit to gather in this forward
         self.reset_backward()
+
+    def follow(self, units: Sequence[Any]) -> None:
+        """From now on, the order of the calls (`agreed_order`): between a forward's end
+        and the next forward or backward, with no event of the order pending."""
+        self.settled = True
+        self._take(units)
 
     def reset_backward(self, apart: Collection[int] = ()) -> None:
         """The next backward's order: every unit but those in `apart` (by id), which the
