@@ -99,6 +99,12 @@ CASES = [
         "ft.enabled=true with model.bias_update_speed=0.001: the routing bias",
     ),
     (["ft.enabled=true", "ft.lighthouse=null"], None, 2, "ft.enabled=true needs a Lighthouse"),
+    (
+        ["ft.replica_groups=2", "ft.replica_group=1"],
+        None,
+        2,
+        "ft.replica_group=1 and ft.replica_groups=2 have no effect without ft.enabled=true",
+    ),
 ]
 
 
@@ -259,3 +265,76 @@ def test_bad_token_directory_gets_one_line(tmp_path, meta, tokenizer, ranks, nee
     assert proc.returncode == 2, proc.stderr[-2000:]
     # one line, on every rank alike: no other rank reports a peer that went away
     assert len(lines) == 1 and needle in lines[0] and str(data) in lines[0], proc.stderr[-2000:]
+
+
+# [Note: ft keys without ft.enabled] in trainer/config/checks.py, checked on the composed
+# config (the table's row above goes through the command line once).
+FT_OFF = (
+    "has no effect without ft.enabled=true: set ft.enabled=true to join replica groups, or drop it"
+)
+
+
+def _composed(*overrides: str):
+    from hydra import compose, initialize_config_dir
+    from test_cli import ROOT
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "override, shown",
+    [
+        ("ft.replica_groups=2", "ft.replica_groups=2"),  # int
+        ("ft.lighthouse=http://10.0.0.7:29510", "ft.lighthouse=http://10.0.0.7:29510"),  # str
+        ("ft.quorum_timeout_s=7.5", "ft.quorum_timeout_s=7.5"),  # float
+        ("ft.stall_timeout_s=600", "ft.stall_timeout_s=600"),  # float, typed as a whole number
+    ],
+)
+def test_an_ft_key_without_ft_enabled_is_refused(override, shown):
+    from trainer.config.checks import validate
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate(_composed(override), 1)
+    assert str(e.value) == f"{shown} {FT_OFF}"
+    # with ft.enabled=true the same key is what it is for
+    lighthouse = [] if "lighthouse" in override else ["ft.lighthouse=http://10.0.0.7:29510"]
+    validate(_composed("ft.enabled=true", override, *lighthouse), 1)
+
+
+def test_ft_defaults_pass_without_ft_enabled(monkeypatch):
+    from trainer.config.checks import validate
+
+    validate(_composed(), 1)
+    validate(_composed("ft.enabled=false", "ft.timeout_s=30", "ft.lighthouse=null"), 1)
+    # an exported TORCHFT_LIGHTHOUSE reaches ft.lighthouse through conf/config.yaml: not
+    # the user setting the key
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://10.0.0.7:29510")
+    cfg = _composed()
+    assert cfg.ft.lighthouse == "http://10.0.0.7:29510"
+    validate(cfg, 1)
+
+
+def test_an_ft_key_added_to_the_schema_later_is_covered(monkeypatch):
+    """A key the schema gains (here a bool) is held to its default without ft, with no
+    list of keys to update."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from trainer.config import schema
+    from trainer.config.checks import validate
+    from trainer.errors import ConfigError
+
+    @dataclasses.dataclass
+    class LaterFt(schema.Ft):
+        spare_option: bool = False
+
+    monkeypatch.setattr(schema, "Ft", LaterFt)
+    base = _composed()
+    validate(OmegaConf.merge(base, {"ft": OmegaConf.structured(LaterFt())}), 1)
+    on = OmegaConf.merge(base, {"ft": OmegaConf.structured(LaterFt(spare_option=True))})
+    with pytest.raises(ConfigError) as e:
+        validate(on, 1)
+    assert str(e.value) == f"ft.spare_option=true {FT_OFF}"

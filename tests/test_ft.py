@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from ft_harness import clean_env as _env
+from ft_harness import final_model as _final
+from ft_harness import finished as _done
+from ft_harness import start_group
 
 from trainer.comm.replicas import slots_of
 
@@ -34,45 +39,10 @@ BASE = [
 FT = ["ft.enabled=true", "ft.replica_groups=2", "ft.timeout_s=10", "ft.heartbeat_ms=50"]
 
 
-class Lighthouse:
-    """torchft's Lighthouse, in this process, on the loopback address."""
-
-    def __init__(self, min_replicas: int, join_timeout_ms: int = 10_000) -> None:
-        from torchft._torchft import LighthouseServer
-
-        self.server = LighthouseServer(
-            bind="127.0.0.1:0",
-            min_replicas=min_replicas,
-            join_timeout_ms=join_timeout_ms,
-            quorum_tick_ms=10,
-            heartbeat_timeout_ms=500,
-        )
-        self.address = "http://127.0.0.1:" + self.server.address().rsplit(":", 1)[1]
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
-@pytest.fixture
-def lighthouse():
-    made: list[Lighthouse] = []
-
-    def make(min_replicas: int = 2, join_timeout_ms: int = 10_000) -> Lighthouse:
-        made.append(Lighthouse(min_replicas, join_timeout_ms))
-        return made[-1]
-
-    yield make
-    for lh in made:
-        lh.close()
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDTRAIN_FAULT", "RANK"))}
-    return {**env, "RUST_LOG": "warn", **(extra or {})}
-
-
-def _final(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "final_model.pt", map_location="cpu", weights_only=True)
+def _run(tmp, lh, g, args=(), env=None, nproc=1, restarts=0):
+    """Replica group g of this file's job (BASE, FT, then `args`): `python train.py`, or
+    torchrun for nproc > 1 (restarting its workers up to `restarts` times)."""
+    return start_group(tmp, lh.address, g, [*BASE, *FT, *args], env, nproc, restarts)
 
 
 @pytest.fixture(scope="module")
@@ -142,32 +112,6 @@ def test_slot_batches_are_what_the_loader_hands_each_rank(data):
             want = [handed[2 * per_group + r][step - 1], handed[0 * per_group + r][step - 1]]
             for i in range(2):
                 assert torch.equal(got[i], torch.cat([w[i] for w in want]))
-
-
-def _run(tmp, lh, g, args=(), env=None, nproc=1, restarts=0):
-    """Replica group g as a job of its own: `python train.py`, or torchrun for nproc > 1
-    (restarting its workers up to `restarts` times)."""
-    log = tmp / f"g{g}-{time.monotonic_ns()}.log"
-    launch = [sys.executable, "train.py"]
-    if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
-                  "train.py"]  # fmt: skip
-    argv = [*launch, *BASE, *FT, f"ft.replica_group={g}", f"ft.lighthouse={lh.address}",
-            f"hydra.run.dir={tmp}/g{g}", *args]  # fmt: skip
-    with open(log, "w") as out:
-        p = subprocess.Popen(argv, cwd=ROOT, env=_env(env), stdout=out, stderr=subprocess.STDOUT)
-    p.log = log
-    return p
-
-
-def _done(p: subprocess.Popen, timeout: float = 120) -> str:
-    try:
-        p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-    return p.log.read_text()
 
 
 def test_two_groups_end_where_one_process_does(tmp_path, lighthouse, reference):
@@ -316,6 +260,112 @@ def test_no_lighthouse_is_one_line(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+class LighthouseProcess:
+    """torchft's Lighthouse as a process of its own (its `torchft_lighthouse`), on the
+    loopback address: SIGKILLed and started again on the same port, as a supervisor
+    restarts it."""
+
+    def __init__(self, logs: Path, heartbeat_timeout_ms: int = 500) -> None:
+        self.logs, self.port, self.starts = logs, 0, 0
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms
+        self.proc: subprocess.Popen | None = None
+        self.start()
+        self.address = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Starts it (on a free port the first time) and returns once it listens: its own
+        line says so, not a connection that another process on the port could answer."""
+        self.starts += 1
+        log = self.logs / f"lighthouse{self.starts}.log"
+        argv = [
+            str(Path(sys.executable).with_name("torchft_lighthouse")),
+            f"--bind=127.0.0.1:{self.port}", "--min_replicas=1", "--join_timeout_ms=10000",
+            "--quorum_tick_ms=10", f"--heartbeat_timeout_ms={self.heartbeat_timeout_ms}",
+        ]  # fmt: skip
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(argv, env={**_env(), "RUST_LOG": "info"}, stdout=out,
+                                         stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (listening := re.search(r"Lighthouse listening on: \S+:(\d+)", log.read_text())):
+            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        self.port = int(listening.group(1))
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+
+
+def _steps_done(log: Path, steps: int) -> int:
+    """The last step the group's progress bar shows."""
+    done = re.findall(rf"\b(\d+)/{steps} \[", log.read_text(errors="replace"))
+    return int(done[-1]) if done else 0
+
+
+def _gaps(log: str) -> list[float]:
+    """The seconds between two committed steps that the group reported (longer than 0.5 s:
+    replicas.py names those)."""
+    return [float(x) for x in re.findall(r"committed ([\d.]+) s after the last", log)]
+
+
+def _reconnect_wait(outage: float) -> float:
+    """How long after the Lighthouse is back a group's ManagerServer finds it, at most
+    ([Note: a Lighthouse outage] in trainer/comm/replicas.py): its tries after a failed
+    quorum fall 0.1 s after it, then after waits of 0.1 * 1.5^k s, each with up to 0.1 s
+    of jitter (torchft's reconnection backoff). Past an outage of d, the next try is at
+    most the wait after the last try that can come before d, plus its jitter."""
+    tried, wait = 0.1, 0.1
+    while tried + wait <= outage:
+        tried, wait = tried + wait, wait * 1.5
+    return wait + 0.1
+
+
+def test_a_lighthouse_outage_costs_about_its_length(tmp_path):
+    """The Lighthouse SIGKILLed while two groups train (every step's quorum goes through it)
+    and started again on the same port: both groups go on, no step waits much longer than
+    the outage, and they end bitwise equal."""
+    steps = 120
+    lh = LighthouseProcess(tmp_path)
+    try:
+        args = [f"train.steps={steps}", "ft.quorum_timeout_s=20"]
+        groups = [_run(tmp_path, lh, g, args) for g in (0, 1)]
+        deadline = time.monotonic() + 180
+        while min(_steps_done(p.log, steps) for p in groups) < 3:
+            if any(p.poll() is not None for p in groups) or time.monotonic() > deadline:
+                pytest.fail("\n".join(_done(p, timeout=30)[-2000:] for p in groups))
+            time.sleep(0.02)
+        lh.kill()
+        killed = time.monotonic()
+        time.sleep(1.0)  # and its start-up: a Python process importing torch, 1-5 s here
+        lh.start()
+        outage = time.monotonic() - killed  # until it accepts connections again
+        logs = [_done(p, timeout=180) for p in groups]
+    finally:
+        lh.close()
+    for p, log in zip(groups, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    gaps = [sorted(_gaps(log)) for log in logs]
+    longest = max(g[-1] for g in gaps if g)
+    assert longest >= outage - 0.1, (outage, gaps)  # the outage fell inside the run
+    # Besides the outage, the longest gap holds: the reconnection's last wait; three steps
+    # (the one the kill landed in, whose quorum fails or the next one's does; the step
+    # after; and for a group later than the first quorum after the outage, which heals
+    # at the next one, one more), each at most the slowest other step the run reported
+    # (0.5 s if none: faster ones are not reported); and 1 s of process scheduling on the
+    # 2 cores the suite shares (two groups and the Lighthouse woken by the reconnection,
+    # each wake-up a scheduler slice or more behind the other tests' processes). Before
+    # the retries it was the whole quorum timeout, 20 s here.
+    step = max([0.5] + [x for g in gaps for x in g[:-1]])
+    bound = outage + _reconnect_wait(outage) + 3 * step + 1.0
+    print(f"Lighthouse down {outage:.1f} s: longest gap {longest:.1f} s (bound {bound:.1f} s)")
+    assert longest <= bound, (longest, bound, gaps)
+    _equal(_final(tmp_path / "g0"), _final(tmp_path / "g1"))
+
+
 class _TwoGroups:
     """A stand-in for torchft's Manager in one process: its AllReduce adds what the other
     group sends (`theirs`, one tensor per call, in call order; zeros with no other group
@@ -395,3 +445,29 @@ def test_a_failed_reduce_changes_no_gradient():
     manager.error = RuntimeError("peer died")
     loss, _ = _replicas(manager).reduce(_engine([g]), torch.tensor(0.5), torch.tensor(1.0), 1)
     assert torch.equal(g, torch.tensor([1.0, 2.0, 3.0])) and loss.item() == 0.5
+
+
+def test_a_lighthouse_gone_for_good_stops_the_run_after_the_stall_budget():
+    """A quorum waits at most what is left of ft.stall_timeout_s since the last commit, so a
+    Lighthouse that never comes back stops the run then (with a checkpoint, as too few
+    groups do), not a whole ft.quorum_timeout_s later."""
+    from trainer.comm.replicas import TooFewGroups
+
+    r = _replicas(SimpleNamespace(_quorum_future=None))
+    r.stall_s, r.quorum_s, r.min_groups, r.lighthouse = 5.0, 60.0, 1, "http://10.0.0.7:29510"
+    r.last_commit = time.monotonic() - 3.0  # 2 s of the budget left
+    waits = []
+
+    def no_lighthouse(timeout):
+        waits.append(timeout.total_seconds())
+        r.last_commit -= timeout.total_seconds()  # the wait passes
+        raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+
+    r.manager.start_quorum = no_lighthouse
+    with pytest.raises(TooFewGroups) as e:
+        r.start_step(7)
+    assert len(waits) == 1 and 1.9 < waits[0] <= 2.0, waits
+    assert str(e.value).startswith(
+        "ft: no quorum from the Lighthouse at http://10.0.0.7:29510 (timed out) for 5 s, "
+        "longer than ft.stall_timeout_s=5"
+    )

@@ -51,3 +51,9 @@ def is_collective_timeout(error: BaseException) -> bool:
     communicator aborted; [Note: NCCL timeouts] in trainer/run/dist.py)."""
     text = str(error).lower()
     return "timed out" in text or "watchdog caught collective operation timeout" in text
+
+
+def first_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

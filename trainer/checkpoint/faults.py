@@ -39,7 +39,11 @@ from trainer.errors import ConfigError
 #   kill_in_prune SIGKILL halfway through removing a checkpoint that step's save prunes
 #                 (rank 0 prunes: RANK must be 0)
 #   nocommit      under ft, that step's commit fails in this rank's replica group (as if
-#                 its cross-group AllReduce had failed): the step is redone, or healed
+#                 its cross-group AllReduce had failed): the step is redone, or healed;
+#                 under ft.semi_sync, the commit of the fragment sync applied after that
+#                 step: the sync is sent again
+#   kill_in_sync  under ft.semi_sync, SIGKILL once the fragment sync sent after that step
+#                 is on its way, before its result is waited for
 # Under ft, RANK is the rank inside the replica group: set the variable in the
 # environment of the group that is to meet the fault.
 # Without SHARDTRAIN_FAULT_ONCE an entry fires every time its point is reached. With
@@ -59,6 +63,7 @@ POINTS = {
     "fail_in_save": "save",
     "kill_in_prune": "prune",
     "nocommit": "commit",
+    "kill_in_sync": "sync",
 }
 
 
@@ -120,6 +125,7 @@ WHAT = {
     "fail_in_save": "a failed write saving step {}",
     "kill_in_prune": "SIGKILL halfway through a prune at step {}",
     "nocommit": "fails the commit of step {}",
+    "kill_in_sync": "SIGKILL inside the fragment sync sent after step {}",
 }
 
 

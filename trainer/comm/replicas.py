@@ -12,15 +12,15 @@ torchft's Manager and a Lighthouse.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import faults
 from trainer.comm.collectives import broadcast_object, stats
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import ConfigError, TrainingError, first_line
 
 # [Note: fault-tolerant replica groups]
 # With `ft.replica_groups=N` the run's replicate dimension is N replica groups, each a
@@ -66,6 +66,31 @@ from trainer.errors import ConfigError, TrainingError
 # two groups' micro-batches in backward where the uninterrupted run sums them in the
 # AllReduce), with no sample lost or repeated. Not exact: a model that draws random
 # numbers in its forward (dropout) draws them for the slots it took over in another order.
+
+# [Note: a Lighthouse outage]
+# torchft's start_quorum submits Manager._async_quorum to a one-thread pool and (sync
+# quorum) waits on that future; _async_quorum's ManagerClient._quorum is an RPC to the
+# group's ManagerServer (Rust, on group rank 0), which asks the Lighthouse. That RPC's
+# timeout is the quorum's (ft.quorum_timeout_s, 60 s). When the Lighthouse dies, the
+# ManagerServer's request to it fails at once (connection reset or refused), but by
+# default (quorum_retries=0) the ManagerServer then gives up without answering the ranks
+# waiting on it: they wait out the whole quorum timeout and raise. So an outage of 3 s,
+# wherever in the step it landed, cost 60 s.
+# With quorum_retries the ManagerServer retries the failed request itself, inside the
+# same RPC: 100 ms later, on a new connection it makes with torchft's backoff (100 ms,
+# x1.5 a try, jittered, started afresh every ft.connect_timeout_s). The quorum returns
+# once the Lighthouse is back: the outage costs its own length, plus the backoff's last
+# wait (up to about half the outage, at most about 4 s with ft.connect_timeout_s=10),
+# plus the step. `_quorum_retries` makes the retries outlast any one quorum's wait (each
+# try takes at least 100 ms). The Lighthouse comes back knowing no group: the first to
+# ask forms a quorum with those whose heartbeat already reached it, and a group later
+# than that heals at the next quorum, one step behind (measured: docs/fault_tolerance.md,
+# "A Lighthouse outage").
+# An outage longer than ft.stall_timeout_s still stops the run: each quorum waits at most
+# what is left of that budget since the last commit (`_quorum_wait`), then the
+# TimeoutError it raises is forgotten (below) and `_stalled` stops the run with a
+# checkpoint. A ManagerServer still retrying a quorum the ranks gave up on joins the next
+# quorum with the same step: nothing was committed in between.
 
 
 @dataclass(frozen=True)
@@ -104,6 +129,26 @@ class Replicas:
 
     def commit(self, step: int) -> bool:
         return True
+
+    def counted(self, slots: int) -> int:
+        """The data slots the loss and count `reduce` returned are of, when this group
+        computed `slots` of them: one of every group's (ft.semi_sync: its own)."""
+        return self.groups
+
+    def after_step(self, step: int) -> int:
+        """After the optimizer step of `step` (ft.semi_sync: a fragment's sync); returns
+        the step this group is at (later where it healed)."""
+        return step
+
+    def figures(self) -> dict[str, float]:
+        """What to log beside the step's metrics (ft/wait_ms_per_step), since the last
+        call."""
+        return {}
+
+    def global_copy(self) -> AbstractContextManager:
+        """The model as the groups agree on it, inside the block (an evaluation):
+        between DiLoCo's syncs its global copy, otherwise the model as it is."""
+        return nullcontext()
 
     def writes_checkpoints(self) -> bool:
         return True
@@ -164,17 +209,26 @@ class FaultTolerantReplicas(Replicas):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+        from trainer.comm import addresses
+
         self.groups, self.index = int(ft.replica_groups), int(ft.replica_group)
         self.rank, self.world_size, self.device = rank, world_size, device
         self.min_groups = int(ft.min_groups)
         self.stall_s = float(ft.stall_timeout_s)
+        self.quorum_s = float(ft.quorum_timeout_s)
         self.fingerprint = fingerprint
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         timeout = timedelta(seconds=float(ft.timeout_s))
-        base = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
-        self.pg = _membership_pg(base)(timeout=timeout)
-        store_addr, store_port = _group_store(rank)
         lighthouse = ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]  # checks.py: one of them
+        self.lighthouse = lighthouse
+        # what the other groups connect to: [Note: the addresses a group advertises]
+        host = addresses.advertised_host(ft.advertise_host, lighthouse)
+        base = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
+        pg_class = _membership_pg(base)
+        if base is ProcessGroupGloo:
+            pg_class = addresses.bound_to(host, pg_class)
+        self.pg = pg_class(timeout=timeout)
+        store_addr, store_port = _group_store(rank, host)
         try:
             self.manager = Manager(
                 pg=self.pg,
@@ -183,22 +237,26 @@ class FaultTolerantReplicas(Replicas):
                 min_replica_size=self.min_groups,
                 use_async_quorum=False,  # heal before the forward, take part in the step
                 timeout=timeout,
-                quorum_timeout=timedelta(seconds=float(ft.quorum_timeout_s)),
+                quorum_timeout=timedelta(seconds=self.quorum_s),
                 connect_timeout=timedelta(seconds=float(ft.connect_timeout_s)),
                 rank=rank,
                 world_size=world_size,
                 store_addr=store_addr,
                 store_port=store_port,
                 lighthouse_addr=lighthouse,
+                hostname=addresses.in_url(host),  # the ManagerServer's
+                checkpoint_transport=addresses.AdvertisedHTTPTransport(host, timeout),
                 # torchft reads the group's index from the id's trailing digits
                 replica_id=f"shardtrain_{fingerprint:x}_{self.index}",
                 heartbeat_interval=timedelta(milliseconds=int(ft.heartbeat_ms)),
+                # retried at once when the Lighthouse is lost: [Note: a Lighthouse outage]
+                quorum_retries=_quorum_retries(self.quorum_s),
                 init_sync=False,  # every group builds the same weights from the seed
             )
         except Exception as e:
             raise ConfigError(
                 f"ft.lighthouse={lighthouse}: no Lighthouse answers there within "
-                f"ft.connect_timeout_s={ft.connect_timeout_s} ({_first_line(e)}); start "
+                f"ft.connect_timeout_s={ft.connect_timeout_s} ({first_line(e)}); start "
                 "one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`"
             ) from None
         self.teardown = Teardown(f"ft: group {self.index} rank {rank}")
@@ -236,14 +294,16 @@ class FaultTolerantReplicas(Replicas):
             self.healed_at = None
             asked = time.monotonic()
             try:
-                self.manager.start_quorum()  # a heal loads the peer's state in here
+                # a heal loads the peer's state in here
+                self.manager.start_quorum(timeout=self._quorum_wait())
             except ConfigError:
                 raise
-            except Exception as e:  # no quorum within ft.quorum_timeout_s
+            except Exception as e:  # no quorum within its wait
                 # torchft 0.2.0 keeps the failed quorum and raises it again at every later
                 # start_quorum: forgotten, so that the next one can succeed
                 self.manager._quorum_future = None
-                self._stalled(f"no quorum: {_first_line(e)}")
+                why = "timed out" if isinstance(e, TimeoutError) else first_line(e)
+                self._stalled(f"no quorum from the Lighthouse at {self.lighthouse} ({why})")
                 time.sleep(0.1)
                 continue
             if self.healed_at is not None:
@@ -277,6 +337,13 @@ class FaultTolerantReplicas(Replicas):
                     f"step {step}: {len(present)} of {self.groups} replica groups {present}{extra}"
                 )
             return plan
+
+    def _quorum_wait(self) -> timedelta:
+        """ft.quorum_timeout_s, or what is left of ft.stall_timeout_s since the last commit
+        if less ([Note: a Lighthouse outage]): a Lighthouse gone for good stops the run
+        after the stall budget, not after the next whole quorum timeout."""
+        left = self.stall_s - (time.monotonic() - self.last_commit)
+        return timedelta(seconds=min(self.quorum_s, max(left, QUORUM_WAIT_MIN_S)))
 
     def _skip(self, why: str) -> None:
         """This quorum commits no step (every group present skips it alike)."""
@@ -365,7 +432,7 @@ class FaultTolerantReplicas(Replicas):
             committed = self.manager.should_commit()
         now = time.monotonic()
         if not committed:
-            why = _first_line(error.original_exception) if error is not None else "another rank"
+            why = first_line(error.original_exception) if error is not None else "another rank"
             self._say(f"step {step} did not commit ({why}): redone")
             self._stalled(f"no step committed ({why})")
         elif now - self.last_commit > self.slow_s:
@@ -470,29 +537,37 @@ class TooFewGroups(TrainingError):
     """Fewer than ft.min_groups replica groups for longer than ft.stall_timeout_s."""
 
 
+# The shortest wait a quorum is given ([Note: a Lighthouse outage]): a stall budget nearly
+# spent still leaves a quorum of groups that are all there (a few ms) time to form.
+QUORUM_WAIT_MIN_S = 1.0
+# torchft's ManagerServer waits at least 100 ms between two tries of a failed quorum.
+RETRY_MIN_S = 0.1
+
+
+def _quorum_retries(quorum_timeout_s: float) -> int:
+    """Tries enough to span one quorum's whole wait ([Note: a Lighthouse outage])."""
+    return max(1, math.ceil(quorum_timeout_s / RETRY_MIN_S))
+
+
 def _ring_bytes(t: torch.Tensor, manager: Any) -> float:
     n = max(manager.num_participants(), 1)
     return 2 * (n - 1) / n * t.numel() * t.element_size()
 
 
-def _group_store(rank: int) -> tuple[str, int]:
+def _group_store(rank: int, host: str) -> tuple[str, int]:
     """A TCPStore of the group's own for its Managers, hosted by rank 0 and new with each
     launch. Not torchrun's: its store outlives a restart of the group's workers
     (`--max-restarts`), and a restarted rank could read the dead attempt's ManagerServer
-    address there before rank 0 replaced it, and fail to connect. Every rank calls it."""
+    address there before rank 0 replaced it, and fail to connect. Every rank calls it.
+    Advertised at rank 0's `host`: the other groups meet in it too ([Note: the addresses a
+    group advertises])."""
     global _own_store
     where: list[Any] = [None]
     if rank == 0:
         _own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-        where = [(socket.gethostname() if dist.get_world_size() > 1 else "127.0.0.1",
-                  _own_store.port)]  # fmt: skip
+        where = [(host, _own_store.port)]
     broadcast_object(where)
     return where[0]
 
 
 _own_store: dist.TCPStore | None = None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

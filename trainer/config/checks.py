@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config import schema  # noqa: F401  (registers the types conf/config.yaml names)
+from trainer.config import schema  # registers the types conf/config.yaml names, too
 from trainer.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # what train.py composes
@@ -118,7 +118,10 @@ def _validate_ft(cfg: DictConfig, world_size: int) -> None:
     """`ft` ([Note: fault-tolerant replica groups] in trainer/comm/replicas.py): sizes, and
     what a heal cannot carry, one line each."""
     ft = cfg.get("ft")
-    if not ft or not ft.enabled:
+    if not ft:
+        return
+    if not ft.enabled:
+        _refuse_ft_keys_without_ft(ft)
         return
     _whole("ft.replica_groups", ft.replica_groups, minimum=1)
     if not isinstance(ft.replica_group, int) or not 0 <= ft.replica_group < ft.replica_groups:
@@ -147,11 +150,109 @@ def _validate_ft(cfg: DictConfig, world_size: int) -> None:
             "by the expert counts of its own replica group, so the groups' models would "
             "drift apart; use the aux loss (model.bias_update_speed=0) under ft"
         )
+    _validate_semi_sync(ft)
     if not ft.lighthouse and not os.environ.get("TORCHFT_LIGHTHOUSE"):
         raise ConfigError(
             "ft.enabled=true needs a Lighthouse: set ft.lighthouse=http://HOST:PORT or "
             "TORCHFT_LIGHTHOUSE (start one with `torchft_lighthouse --min_replicas 1`)"
         )
+
+
+# [Note: ft keys without ft.enabled]
+# `ft.replica_groups=2 ft.replica_group=1` without `ft.enabled=true` would train a lone run:
+# two such launches, meant as one run of two groups, train two unrelated models without a
+# word. So with ft off, every key of the ft schema (trainer/config/schema.py, `Ft`: keys
+# added there later are covered as they come) must hold its default there. A value that
+# conf/config.yaml itself writes is no setting of the user's either: TORCHFT_LIGHTHOUSE in
+# the environment (as docs/fault_tolerance.md has one export it) reaches ft.lighthouse
+# through the file's ${oc.env:...}, and plain runs in that shell are not refused for it.
+
+
+def _ft_defaults() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ft schema's defaults, and conf/config.yaml's ft values as written (unresolved)."""
+    typed = OmegaConf.to_container(OmegaConf.structured(schema.Ft))
+    written = OmegaConf.load(CONF_DIR / "config.yaml").get("ft") or {}
+    return typed, OmegaConf.to_container(written, resolve=False)
+
+
+def _typed_as_given(value: Any) -> str:
+    """A value as it is written on the command line (true, null, a bare string)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return value if isinstance(value, str) else _show(value)
+
+
+def _refuse_ft_keys_without_ft(ft: DictConfig) -> None:
+    """[Note: ft keys without ft.enabled]: one line naming every ft key set."""
+    typed, written = _ft_defaults()
+    given = OmegaConf.to_container(ft, resolve=False)
+    set_keys = []
+    for key, default in typed.items():
+        if key == "enabled" or key not in given:
+            continue
+        if key in written and given[key] == written[key]:
+            continue  # conf/config.yaml's own value (its ${oc.env:...} included)
+        value = ft[key]  # resolved
+        if value != default:
+            set_keys.append(f"ft.{key}={_typed_as_given(value)}")
+    if set_keys:
+        many = len(set_keys) > 1
+        raise ConfigError(
+            f"{' and '.join(set_keys)} {'have' if many else 'has'} no effect without "
+            f"ft.enabled=true: set ft.enabled=true to join replica groups, or drop "
+            f"{'them' if many else 'it'}"
+        )
+
+
+SEMI_SYNC = ("local_sgd", "diloco")  # ft.semi_sync: trainer/comm/diloco.py
+PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
+
+
+def _validate_semi_sync(ft: DictConfig) -> None:
+    """ft.semi_sync ([Note: the fragment schedule] in trainer/comm/diloco.py), one line
+    each: the schedule's sizes, the outer step, the wire."""
+    if ft.semi_sync is None:
+        return
+    if ft.semi_sync not in SEMI_SYNC:
+        raise ConfigError(
+            f"ft.semi_sync={ft.semi_sync} is not one of null (every step), {', '.join(SEMI_SYNC)}"
+        )
+    _whole("ft.sync_steps", ft.sync_steps, minimum=1)
+    _whole("ft.fragments", ft.fragments, minimum=1)
+    h, f = ft.sync_steps, ft.fragments
+    if h % f:
+        raise ConfigError(
+            f"ft.sync_steps={h} is not a multiple of ft.fragments={f}: each fragment syncs "
+            f"every ft.sync_steps steps, one fragment every sync_steps / fragments"
+        )
+    _whole("ft.fragment_sync_delay", ft.fragment_sync_delay, minimum=0)
+    if ft.fragment_sync_delay >= h // f:
+        raise ConfigError(
+            f"ft.fragment_sync_delay={ft.fragment_sync_delay} must be below ft.sync_steps / "
+            f"ft.fragments = {h // f}: a sync must be applied before the next one is sent"
+        )
+    alpha = ft.fragment_update_alpha
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
+        raise ConfigError(f"ft.fragment_update_alpha={_show(alpha)} must be in [0, 1]")
+    if ft.pseudo_grad_dtype not in PSEUDO_GRAD_DTYPES:
+        raise ConfigError(
+            f"ft.pseudo_grad_dtype={ft.pseudo_grad_dtype} is not one of "
+            f"{', '.join(PSEUDO_GRAD_DTYPES)}"
+        )
+    if ft.semi_sync == "local_sgd":  # the groups' parameters averaged: no outer optimizer
+        typed = schema.Ft()
+        for key in ("outer_lr", "outer_momentum"):
+            if ft[key] != getattr(typed, key):
+                raise ConfigError(
+                    f"ft.{key}={_show(ft[key])} is diloco's outer step: ft.semi_sync=local_sgd "
+                    "averages the groups' parameters (outer lr 1, no momentum); use "
+                    "ft.semi_sync=diloco"
+                )
+        return
+    _positive("ft.outer_lr", ft.outer_lr)
+    m = ft.outer_momentum
+    if not isinstance(m, int | float) or isinstance(m, bool) or not 0 <= m < 1:
+        raise ConfigError(f"ft.outer_momentum={_show(m)} must be in [0, 1) (Nesterov)")
 
 
 def _whole(name: str, value: Any, minimum: int) -> None:

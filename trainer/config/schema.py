@@ -81,12 +81,22 @@ class Ft:
     replica_groups: int = 1
     min_groups: int = 1
     lighthouse: str | None = None
+    advertise_host: str | None = None  # null: the address routing to the Lighthouse
     timeout_s: float = 30.0
     quorum_timeout_s: float = 60.0
     join_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
     heartbeat_ms: int = 100
     stall_timeout_s: float = 300.0
+    # semi-synchronous training across the groups (trainer/comm/diloco.py)
+    semi_sync: str | None = None  # null (every step) | local_sgd | diloco
+    sync_steps: int = 50  # H
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov
+    fragments: int = 1  # F
+    fragment_sync_delay: int = 0  # tau
+    fragment_update_alpha: float = 0.0
+    pseudo_grad_dtype: str = "fp32"  # fp32 | bf16 | int8
 
 
 @dataclass

@@ -21,6 +21,8 @@ from trainer.observe.memory import MemoryMonitor, bandwidth
 from trainer.observe.tb_layout import run_layout
 
 # Order of the packed tensor reduced to rank 0 (one collective per logging interval).
+ACROSS_REPLICAS = "ft_across_replica_groups"  # bytes a rank sent to the other replica groups
+
 FIELDS = (
     "loss_sum",
     "correct",
@@ -194,7 +196,11 @@ class IntervalMetrics:
             achieved = self.flops_per_token * out["perf/tokens_per_s"] / p
             out["perf/mfu_pct"] = 100.0 * achieved / self.peak_flops
         out.update(memory)
-        if p == 1:  # nothing is sent: the communication figures would all be zero
+        if p == 1:  # nothing is sent inside the group: only what crossed replica groups
+            if ACROSS_REPLICAS in bytes_per_op:  # (ft: comm/replicas.py, comm/diloco.py)
+                out[f"comm/bytes_per_step/{ACROSS_REPLICAS}"] = (
+                    bytes_per_op[ACROSS_REPLICAS] / steps_local
+                )
             return out
         busy, exposed = s["comm_busy_s"] / p, s["comm_exposed_s"] / p
         out["comm/time_per_step_s"] = busy / steps_local

@@ -20,7 +20,8 @@ from tqdm import tqdm
 from trainer import checkpoint, comm
 from trainer.checkpoint import faults
 from trainer.checkpoint.rng import rng_state, set_rng_state
-from trainer.comm.replicas import FaultTolerantReplicas, Replicas, TooFewGroups
+from trainer.comm.diloco import fragments_for, join_groups
+from trainer.comm.replicas import Replicas, TooFewGroups
 from trainer.config.checks import engine_options, validate
 from trainer.data.datasets import LoaderBatches, SlotBatches, make_eval_loader, make_loader
 from trainer.data.text import codec_from_meta
@@ -64,6 +65,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     env = tdist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
         return train_in_group(cfg, env)
+    except TrainingError:
+        raise  # its own line already (ft's stall says "timed out" of a quorum, not a peer)
     except RuntimeError as e:
         failure = tdist.peer_failure(e, cfg.dist.timeout_s)
         if failure is None:
@@ -112,8 +115,9 @@ def _train_steps(cfg: DictConfig, run: Run) -> dict[str, Any]:
             evals = every.eval(step)
             # eval and checkpoints between log points stay out of the step time
             with run.metrics.untimed() if checked or evals else nullcontext():
-                if evals:
-                    run_eval(run, step)
+                if evals:  # of the model the groups agree on (DiLoCo: the global copy)
+                    with run.replicas.global_copy():
+                        run_eval(run, step)
                 path = save_checkpoint(run, step, stop)
             run.bar.update(1)
             prof.step()
@@ -215,6 +219,8 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
         init = SeededInit(cfg.seed)
         source = init if weights is None else Pretrained(weights, init=init)
     psi = count_params(model)  # before fsdp takes the parameters apart
+    # and before it empties them: the units DiLoCo's fragments are cut along
+    fragment_of = fragments_for(cfg, model)
     # and before expert parallelism keeps n/E experts: 6 x this FLOPs per prediction
     flop_params = experts.active_params(model, psi)
     if not cfg.train.meta_build:  # a meta model runs its first forward in the engine below
@@ -290,9 +296,10 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
     target = torch.as_tensor(dataset[0][1])  # a class label may be a plain int
     run.tokens_per_step = target.numel() * cfg.train.batch_size if target.dim() > 0 else 0
     if ft:  # joins the other groups: the last thing built, so a heal finds it all
-        run.replicas = FaultTolerantReplicas(
-            cfg.ft, env.rank, env.world_size, env.device, fingerprint(cfg, env.world_size),
-            lambda: live_state(run), lambda state: load_live_state(run, state),
+        run.replicas = join_groups(
+            cfg, env.rank, env.world_size, env.device, fingerprint(cfg, env.world_size),
+            lambda: live_state(run), lambda state: load_live_state(run, state), engine,
+            fragment_of,
         )  # fmt: skip
     if getattr(model, "model_config", None) is not None:  # a language model: sampled
         model_dir = run_dir / "model"
@@ -328,7 +335,8 @@ def train_step(run: Run, step: int) -> int:
             engine.zero_grad()  # drop this step's gradients on every rank alike
             run.hooks.after_step(False)  # and what the model kept of it (an MoE's counts)
             run.skipped += 1
-            return step
+            run.done = replicas.after_step(step)  # a sync due is due in every group
+            return run.done
     else:
         run.guard.note(loss, step)
     grad_norm = engine.clip_grad_norm_(every.clip) if every.clip else None
@@ -339,18 +347,22 @@ def train_step(run: Run, step: int) -> int:
     run.hooks.after_step(stepped)  # the model's own update (an MoE's routing bias)
     run.scheduler.step(stepped)  # counts taken steps only
     run.lr = if_taken(stepped, lr, run.lr)
-    # one rank's slot of each of the N groups: the loss and count `reduce` returned
-    per_rank = per_slot * replicas.groups
+    # the slots the loss and count `reduce` returned are of: one rank's slot of each of
+    # the N groups (every step), this group's own (between DiLoCo's syncs)
+    counted = replicas.counted(len(plan.slots))
+    per_rank = per_slot * counted
     run.tokens_per_step = per_rank * run.env.world_size if targets.dim() > 1 else 0
     run.metrics.add(
         loss,
         correct,
         per_rank,
-        samples=targets.shape[0] // len(plan.slots) * replicas.groups,
+        samples=targets.shape[0] // len(plan.slots) * counted,
         grad_norm=grad_norm,
         stepped=stepped,
     )
-    return step
+    # a fragment's sync across the groups (ft.semi_sync); later where a heal moved it
+    run.done = replicas.after_step(step)
+    return run.done
 
 
 def live_state(run: Run) -> dict[str, Any]:
@@ -430,6 +442,7 @@ def log_metrics(run: Run, step: int) -> None:
     """Reduce the interval's metrics to rank 0, write them and show them on the bar."""
     scaler = run.engine.scaler
     latest = {"train/lr": run.lr}  # device values too: read with the metrics, at once
+    latest.update(run.replicas.figures())  # ft/wait_ms_per_step: rank 0's
     if scaler.enabled:
         latest.update({"train/loss_scale": scaler.scale, "train/overflow_steps": scaler.skipped})
     figures = run.hooks.figures()  # the model's own (device values), mean over ranks

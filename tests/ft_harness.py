@@ -1,0 +1,86 @@
+"""Replica groups in tests: torchft's Lighthouse in the test process, and each group a job
+of its own (`python train.py`, or torchrun for groups of several ranks), as a user
+launches them ([Note: fault-tolerant replica groups] in trainer/comm/replicas.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Lighthouse:
+    """torchft's Lighthouse, in this process, on `host` (the loopback address unless a
+    test's network says otherwise)."""
+
+    def __init__(
+        self, min_replicas: int, join_timeout_ms: int = 10_000, host: str = "127.0.0.1"
+    ) -> None:
+        from torchft._torchft import LighthouseServer
+
+        self.server = LighthouseServer(
+            bind=f"{host}:0",
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            quorum_tick_ms=10,
+            heartbeat_timeout_ms=500,
+        )
+        self.address = f"http://{host}:" + self.server.address().rsplit(":", 1)[1]
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without a fault or a rank of its own, torchft quiet."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDTRAIN_FAULT", "RANK"))}
+    return {**env, "RUST_LOG": "warn", **(extra or {})}
+
+
+def start_group(
+    run_dir: Path,
+    lighthouse: str,
+    g: int,
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    nproc: int = 1,
+    restarts: int = 0,
+) -> subprocess.Popen:
+    """Replica group g as a job of its own writing to `run_dir`/g<g>, its output in a log
+    file beside it (`p.log`)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / f"g{g}-{time.monotonic_ns()}.log"
+    launch = [sys.executable, "train.py"]
+    if nproc > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
+                  "train.py"]  # fmt: skip
+    argv = [*launch, *args, f"ft.replica_group={g}", f"ft.lighthouse={lighthouse}",
+            f"hydra.run.dir={run_dir}/g{g}"]  # fmt: skip
+    with open(log, "w") as out:
+        p = subprocess.Popen(
+            argv, cwd=ROOT, env=clean_env(env), stdout=out, stderr=subprocess.STDOUT
+        )
+    p.log = log
+    return p
+
+
+def finished(p: subprocess.Popen, timeout: float = 120) -> str:
+    """The job's output once it ended (killed after `timeout` seconds)."""
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    return p.log.read_text()
+
+
+def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "final_model.pt", map_location="cpu", weights_only=True)

@@ -1,0 +1,539 @@
+"""Semi-synchronous training across replica groups (`ft.semi_sync=diloco|local_sgd`):
+each group trains H steps alone, then the groups average what they learnt ([Note: DiLoCo
+across replica groups]). Streaming: the model is cut into F fragments along its units,
+each synced every H steps, one every H/F steps, its AllReduce waited for tau steps after
+it was sent ([Note: the fragment schedule]).
+
+    replicas = SemiSyncReplicas(...)       # replicas.py's interface, plus after_step
+    plan = replicas.start_step(step)       # a quorum only at the first step (or a heal)
+    ... the group's ordinary step: no traffic across groups ...
+    replicas.after_step(step)              # a fragment's sync is sent / waited for here
+
+Rank r of every group holds the same shard of the parameters (all of them in ddp), so
+the global copy, the pseudo-gradient, its AllReduce and the outer momentum are all per
+shard: what the inner optimizer steps (`engine.shard_groups()`'s pieces). Both outer
+tensors ride in the inner optimizer's state ([Note: outer state in the optimizer's
+state]): checkpoints, re-cutting and heals carry them as they carry the moments.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from trainer.checkpoint import faults
+from trainer.comm import quantized
+from trainer.comm.collectives import stats
+from trainer.comm.replicas import FaultTolerantReplicas, StepPlan
+from trainer.errors import ConfigError, first_line
+from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
+
+# [Note: DiLoCo across replica groups]
+# A round of a fragment: every group starts from the global copy θ of its parameters,
+# takes H inner steps of its own (the run's optimizer, mode and data slots, no traffic
+# across groups), then sends its pseudo-gradient Δ_g = θ - θ_g. The groups in the
+# quorum AllReduce Σ w_g Δ_g and Σ w_g, w_g the data slots group g trained in the round
+# (a group healed in the round has trained none: it sends zeros, weight 0); the mean
+# Δ is the gradient of an outer SGD on θ (diloco: Nesterov momentum, ft.outer_lr and
+# ft.outer_momentum; local_sgd: lr 1 and no momentum, which is plain averaging of the
+# groups' parameters). Each group then takes θ (ft.fragment_update_alpha=a: a θ_g +
+# (1 - a) θ) and the compute copy follows (`engine.params_from_masters()`: zero gathers
+# it inside the group, ddp casts it, fsdp gathers each unit as it runs anyway).
+# With inner SGD without momentum, H = 1, lr 1 and no momentum this is the per-step
+# sync's update: Δ_g = lr g_g, θ - mean Δ = θ - lr mean g (up to rounding).
+# A sync whose AllReduce or commit fails is sent again with the quorum of that moment;
+# no inner step is dropped. The run's last step syncs every fragment and takes θ, so
+# every group ends with the same (global) model, which is the final model.
+
+# [Note: outer state in the optimizer's state]
+# The global copy and the outer momentum of an optimizer tensor t are
+# `optimizer.state[t]["outer_global"]` and `["outer_momentum"]` (and `["outer_error"]`
+# with a lossy wire): per-element tensors shaped like t, so the checkpoint code saves
+# and re-cuts them by ranges, a heal sends them with the rest of the optimizer's state,
+# and the memory monitor counts them. They are put there after t's first inner step
+# (torch's optimizers build their own state when it is empty); until then they are kept
+# aside. After any load (a resume, a heal) they are bound again (`OuterState.bind`).
+GLOBAL, MOMENTUM, ERROR = "outer_global", "outer_momentum", "outer_error"
+BLOCK = 256  # values per int8 block (one fp32 scale each), as the in-group int8 wire
+
+
+def fragments_of(
+    model: nn.Module,
+    fragments: int,
+    unit_classes: list[str] | None = None,
+    min_unit_params: int = 100_000,
+    repeated_children: bool = True,
+) -> dict[str, int]:
+    """Parameter name -> fragment: the model's units (units.py, as fsdp cuts them) dealt
+    strided, unit i to fragment i mod F, the root's parameters (embeddings, head) with
+    fragment 0. Refuses a model of fewer units than fragments."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if fragments == 1:
+        return dict.fromkeys(names, 0)
+    classes = DEFAULT_UNIT_CLASSES if unit_classes is None else tuple(unit_classes)
+    plans = plan_units(model, classes, min_unit_params, repeated_children)
+    units = plans[1:]
+    if len(units) < fragments:
+        raise ConfigError(
+            f"ft.fragments={fragments}: the model has {len(units)} unit(s) to cut into "
+            f"fragments (blocks, as mode=fsdp cuts it); use ft.fragments <= {max(len(units), 1)}"
+        )
+    where = {n: 0 for n, _ in plans[0].params}
+    for i, u in enumerate(units):
+        where.update({n: i % fragments for n, _ in u.params})
+    return {n: where[n] for n in names}
+
+
+def fragments_for(cfg: Any, model: nn.Module) -> dict[str, int] | None:
+    """`fragments_of` as the config asks (the mode's unit options); None without
+    ft.semi_sync. Called before the engine is built: fsdp empties the parameters."""
+    ft = cfg.get("ft")
+    if not ft or not ft.enabled or ft.semi_sync is None:
+        return None
+    mode = cfg.mode
+    return fragments_of(
+        model,
+        int(ft.fragments),
+        mode.get("unit_classes"),
+        mode.get("min_unit_params", 100_000),
+        mode.get("repeated_children", True),
+    )
+
+
+def join_groups(
+    cfg: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    fingerprint: int,
+    state_dict: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[[dict[str, Any]], None],
+    engine: Any,
+    fragment_of: dict[str, int] | None,
+) -> FaultTolerantReplicas:
+    """This launch as replica group ft.replica_group of the run: synced every step, or
+    (ft.semi_sync) at its fragments' syncs only."""
+    args = (cfg.ft, rank, world_size, device, fingerprint, state_dict, load_state_dict)
+    if fragment_of is None:
+        return FaultTolerantReplicas(*args)
+    return SemiSyncReplicas(*args, engine, fragment_of, int(cfg.train.steps))
+
+
+def _flat(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(0, device=device)
+
+
+class OuterState:
+    """Per fragment: the optimizer tensors it holds (this rank's shard), their global
+    copies and the outer SGD that steps them ([Note: outer state in the optimizer's
+    state])."""
+
+    def __init__(
+        self,
+        engine: Any,
+        fragment_of: dict[str, int],
+        fragments: int,
+        lr: float,
+        momentum: float,
+        lossy: bool,
+    ) -> None:
+        self.engine, self.fragments, self.lr, self.momentum = engine, fragments, lr, momentum
+        self.lossy = lossy  # error feedback for a bf16 or int8 wire
+        self.local: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
+        for g in engine.shard_groups():
+            for piece in g.pieces:
+                self.local[fragment_of[piece.name]].append(piece.tensor)
+        # A fragment may hold nothing on this rank (zero cuts its buckets into contiguous
+        # slices): rank r of every group holds the same, so each sends its empty Δ alike.
+        self.device = engine.device
+        # outer tensors of optimizer tensors with no optimizer state yet, by id
+        self.aside: dict[int, dict[str, torch.Tensor]] = {}
+        self.globals: list[list[torch.Tensor]] = []
+        self.errors: list[list[torch.Tensor]] = []
+        self.outer: list[torch.optim.SGD] = []
+
+    def _state(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.engine.optimizer.state.get(t)
+        if state:  # the optimizer built its own state: ours rides along
+            if GLOBAL not in state:
+                state.update(self.aside.pop(id(t), None) or self._fresh(t))
+            return state
+        return self.aside.setdefault(id(t), self._fresh(t))
+
+    def _fresh(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        fresh = {GLOBAL: t.detach().clone(), MOMENTUM: torch.zeros_like(t)}
+        if self.lossy:
+            fresh[ERROR] = torch.zeros_like(t)
+        return fresh
+
+    def bind(self, fresh: bool = False) -> None:
+        """(Re)build the outer optimizers on the outer tensors where they now live (after
+        a resume or a heal loaded the optimizer's state); `fresh`: what was kept aside is
+        dropped and taken anew from the parameters as they are now."""
+        if fresh:
+            self.aside.clear()
+        self.globals, self.errors, self.outer = [], [], []
+        for f in range(self.fragments):
+            states = [self._state(t) for t in self.local[f]]
+            globals_ = [s[GLOBAL] for s in states]
+            # where the fragment holds nothing on this rank, an empty stand-in (torch's
+            # SGD takes no empty list): it never has a gradient, so it never moves
+            sgd = torch.optim.SGD(
+                globals_ or [torch.zeros(0)], lr=self.lr, momentum=self.momentum,
+                nesterov=self.momentum > 0,
+            )  # fmt: skip
+            if self.momentum > 0:  # torch's first step sets the buffer to the gradient:
+                for g, s in zip(globals_, states, strict=True):  # 0.9 * 0 + g, the same
+                    sgd.state[g]["momentum_buffer"] = s[MOMENTUM]
+            self.globals.append(globals_)
+            self.errors.append([s[ERROR] for s in states] if self.lossy else [])
+            self.outer.append(sgd)
+
+    def settle(self) -> None:
+        """Outer tensors kept aside go into the optimizer's state once it has built its
+        own (after the first inner step that gave a tensor a gradient)."""
+        state = self.engine.optimizer.state
+        if self.aside and any(state.get(t) for ts in self.local for t in ts if id(t) in self.aside):
+            self.bind()
+
+    def pseudo_gradient(self, f: int) -> torch.Tensor:
+        """Δ = θ - θ_g of fragment f, flat (fp32)."""
+        return _flat(
+            [(g - t).reshape(-1) for g, t in zip(self.globals[f], self.local[f], strict=True)],
+            self.device,
+        )
+
+    def error(self, f: int) -> torch.Tensor:
+        return _flat([e.reshape(-1) for e in self.errors[f]], self.device)
+
+    def set_error(self, f: int, flat: torch.Tensor) -> None:
+        offset = 0
+        for e in self.errors[f]:
+            e.copy_(flat[offset : offset + e.numel()].view_as(e))
+            offset += e.numel()
+
+    @torch.no_grad()
+    def apply(self, f: int, mean: torch.Tensor, alpha: float) -> None:
+        """The outer step of fragment f with `mean` Δ as its gradient; the local copy
+        takes the global one (mixed with alpha)."""
+        offset = 0
+        for g in self.globals[f]:
+            g.grad = mean[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+        self.outer[f].step()
+        for g, t in zip(self.globals[f], self.local[f], strict=True):
+            g.grad = None
+            if alpha == 0:
+                t.copy_(g)
+            else:  # a θ_g + (1 - a) θ
+                t.lerp_(g, 1.0 - alpha)
+
+    @torch.no_grad()
+    def take_global(self, fragment: int | None = None) -> None:
+        """The local copy := the global copy, of one fragment or of all (a group that
+        joins by a heal: its error feedback, the peer's, is dropped too)."""
+        for f in range(self.fragments) if fragment is None else [fragment]:
+            for g, t in zip(self.globals[f], self.local[f], strict=True):
+                t.copy_(g)
+            if fragment is None:
+                for e in self.errors[f]:
+                    e.zero_()
+
+
+# [Note: the fragment schedule]
+# Syncs happen every H/F steps; sync k (k = 1, 2, ...) is of fragment (k - 1) mod F, its
+# pseudo-gradient sent after step k H/F - tau and its result waited for and applied after
+# step k H/F (tau = ft.fragment_sync_delay; tau = 0: sent and waited at once). A quorum is
+# held before each send: groups meet only there. The steps are the run's step numbers, so
+# a resumed or healed group is at the same place in the schedule as its peers.
+
+
+class SemiSyncReplicas(FaultTolerantReplicas):
+    """N replica groups that meet only at fragment syncs ([Note: DiLoCo across replica
+    groups]). `after_step(step)` sends and applies the syncs; between them replicas.py's
+    interface carries nothing across groups."""
+
+    def __init__(
+        self,
+        ft: Any,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        fingerprint: int,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        engine: Any,
+        fragment_of: dict[str, int],
+        steps: int,
+    ) -> None:
+        super().__init__(ft, rank, world_size, device, fingerprint, state_dict, load_state_dict)
+        self.engine, self.steps = engine, steps
+        self.fragments = int(ft.fragments)
+        self.every = int(ft.sync_steps) // self.fragments  # H / F
+        self.delay = int(ft.fragment_sync_delay)  # tau
+        self.alpha = float(ft.fragment_update_alpha)
+        self.wire = str(ft.pseudo_grad_dtype)
+        if ft.semi_sync == "local_sgd":  # the mean of the groups' parameters
+            lr, momentum = 1.0, 0.0
+        else:
+            lr, momentum = float(ft.outer_lr), float(ft.outer_momentum)
+        self.outer = OuterState(
+            engine, fragment_of, self.fragments, lr, momentum, lossy=self.wire != "fp32"
+        )
+        self.slots: tuple[int, ...] | None = None  # dealt at the last quorum
+        self.trained = [0] * self.fragments  # slots trained since each one's last send
+        self.in_flight: _Sync | None = None
+        self.applied: tuple[int, set[int]] = (0, set())  # (step, fragments applied then)
+        # the sync this group is about to send (fragment, step due), sent with a heal: a
+        # group that heals at that quorum joins it
+        self.next: tuple[int, int] | None = None
+        self.joins: tuple[int, int] | None = None  # the peer's `next`, from a heal
+        self.moved_to: int | None = None  # the step a heal brought this group to
+        self.wait_s, self.steps_seen = 0.0, 0  # waited on the link, since the last log
+
+    def figures(self) -> dict[str, float]:
+        per_step = 1e3 * self.wait_s / max(self.steps_seen, 1)
+        self.wait_s, self.steps_seen = 0.0, 0
+        return {"ft/wait_ms_per_step": per_step}
+
+    # -- replicas.py's interface --------------------------------------------------------
+    def start_step(self, step: int) -> StepPlan:
+        if self.slots is None:  # this process's first step: join the groups
+            self.outer.bind(fresh=True)  # a resumed checkpoint's outer state, if it has one
+            self.trained = [self._since_send(f, step - 1) for f in range(self.fragments)]
+            self.next = None
+            self._quorum(step - 1)
+            if self.moved_to is not None:
+                step = self.moved_to + 1
+        return StepPlan(step, self.slots)
+
+    def reduce(
+        self, engine: Any, loss: torch.Tensor, correct: torch.Tensor, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss, correct  # an inner step: this group's own
+
+    def counted(self, slots: int) -> int:
+        return slots  # the loss and correct count are of this group's slots only
+
+    def commit(self, step: int) -> bool:
+        return True  # nothing crossed groups: nothing to agree on
+
+    @contextmanager
+    def global_copy(self) -> Iterator[None]:
+        """The model holds the global copy inside the block (an evaluation between syncs),
+        its local copy again after it."""
+        local = [[t.detach().clone() for t in ts] for ts in self.outer.local]
+        with torch.no_grad():
+            for globals_, ts in zip(self.outer.globals, self.outer.local, strict=True):
+                for g, t in zip(globals_, ts, strict=True):
+                    t.copy_(g)
+        self.engine.params_from_masters()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for saved, ts in zip(local, self.outer.local, strict=True):
+                    for s, t in zip(saved, ts, strict=True):
+                        t.copy_(s)
+            self.engine.params_from_masters()
+
+    def after_step(self, step: int) -> int:
+        """[Note: the fragment schedule], after the optimizer step of `step`. Returns the
+        step this group is at: a later one where it was behind and healed."""
+        self.moved_to = None
+        self.steps_seen += 1
+        self.outer.settle()
+        for f in range(self.fragments):
+            self.trained[f] += len(self.slots)
+        k, rest = divmod(step + self.delay, self.every)
+        if rest == 0 and k >= 1:
+            self._sync(step, (k - 1) % self.fragments, step + self.delay)
+        if self.in_flight is not None and self.in_flight.due <= step:
+            self._finish(step)
+        if step == self.steps:  # every fragment, and every group takes the global copy
+            self._finish(step)
+            done_now = self.applied[1] if self.applied[0] == step else set()
+            for f in range(self.fragments):
+                if f not in done_now:
+                    self._sync(step, f, step, alpha=0.0)
+                    self._finish(step)
+                elif self.alpha:
+                    self.outer.take_global(f)
+            self.engine.params_from_masters()
+        return step if self.moved_to is None else self.moved_to
+
+    def _since_send(self, f: int, done: int) -> int:
+        """Slots fragment f trained since its last send, for a group resumed at step
+        `done`: one a step (who took whose slots before a restart is not kept)."""
+        first = (f + 1) * self.every - self.delay  # sends: first, first + H, ...
+        if done < first:
+            return done
+        return (done - first) % (self.every * self.fragments)
+
+    # -- a sync --------------------------------------------------------------------------
+    def _sync(self, step: int, f: int, due: int, alpha: float | None = None) -> None:
+        self.next = (f, due)
+        if not self._quorum(step):  # else it healed and joined the sync its peers send
+            self._send(step, f, due, alpha)
+
+    def _quorum(self, done: int) -> bool:
+        """A quorum after step `done`: who takes part in the next sync, and whose data
+        slots each group takes until the next quorum. A group behind the others heals
+        here (the peer's step, inner and outer state), takes the global copy and joins
+        the sync its peers are about to send, with nothing trained."""
+        self.manager.load_state_dict({"step": done, "batches_committed": 0})
+        self.last_commit = time.monotonic()  # a stall is counted from here
+        plan = self._start_step(done + 1)
+        self.slots = plan.slots
+        if self.healed_at is None:
+            return False
+        self.moved_to = self.healed_at
+        self.outer.bind()  # the peer's outer tensors, loaded with the optimizer's state
+        self.outer.take_global()
+        self.trained = [0] * self.fragments
+        self.in_flight = None  # a sync of its own, behind its peers': theirs holds it
+        self.engine.params_from_masters()
+        self.next = self.joins
+        if self.joins is None:  # the peers are not about to send (a fresh start)
+            return False
+        self._send(self.healed_at, *self.joins)
+        if self.in_flight.due <= self.healed_at:
+            self._finish(self.healed_at)
+        return True
+
+    def _live_state(self) -> dict[str, Any]:
+        return {**super()._live_state(), "joins": self.next}
+
+    def _heal(self, sent: dict[str, Any]) -> None:
+        super()._heal(sent)
+        self.joins = sent.get("joins")
+
+    def _send(self, step: int, f: int, due: int, alpha: float | None = None) -> None:
+        """Launch the sync of fragment f: Σ w Δ and Σ w over the quorum."""
+        weight = float(self.trained[f])
+        delta = self.outer.pseudo_gradient(f)
+        n = self.manager.num_participants()
+        kept = self.outer.error(f).clone() if self.outer.lossy else None  # a retry's
+        if self.wire == "fp32":
+            delta.mul_(weight)
+            weights = torch.tensor([weight], dtype=torch.float64, device=delta.device)
+            works = [self.manager.allreduce(weights, reduce_op=dist.ReduceOp.SUM)]
+            if delta.numel():  # else this rank holds nothing of the fragment (nor its peers)
+                works.append(self.manager.allreduce(delta, reduce_op=dist.ReduceOp.SUM))
+            ring = 2 * (n - 1) / max(n, 1)
+            stats.bytes_sent["ft_across_replica_groups"] += ring * (delta.numel() * 4 + 8)
+            gathered = None
+        else:
+            row = self._packed(f, delta, weight)
+            gathered = [torch.empty_like(row) for _ in range(n)]
+            works = []
+            if self.manager.errored() is None:
+                try:
+                    works = [self.pg.allgather([gathered], [row], AllgatherOptions())]
+                except RuntimeError as e:  # the quorum's group is gone: the commit fails
+                    self.manager.report_error(e)
+            stats.bytes_sent["ft_across_replica_groups"] += (n - 1) * row.numel()
+            weights = None
+        self.in_flight = _Sync(f, due, weight, alpha, delta, weights, works, gathered, kept)
+        self.trained[f] = 0
+        faults.fault("sync", step)  # [Note: fault injection]: kill_in_sync
+
+    def _packed(self, f: int, delta: torch.Tensor, weight: float) -> torch.Tensor:
+        """One row of uint8: Δ on the lossy wire, error feedback carried across syncs,
+        and the weight exact. bf16 travels as its 2 bytes a value, int8 as blocks with a
+        scale each ([Note: int8 blocks] in quantized.py)."""
+        error = self.outer.error(f)
+        tail = torch.tensor([weight], dtype=torch.float32, device=delta.device)
+        if self.wire == "bf16":
+            x = delta + error
+            sent = x.to(torch.bfloat16)
+            self.outer.set_error(f, x - sent.float())
+            return torch.cat([sent.view(torch.uint8), tail.view(torch.uint8)])
+        error = error.view(1, -1)
+        row = quantized.pack(delta.view(1, -1), BLOCK, tail.view(1, 1), error)
+        self.outer.set_error(f, error.view(-1))
+        return row[0]
+
+    def _finish(self, step: int) -> None:
+        """Wait for the sync in flight and apply it; one that fails is sent again with
+        the quorum of this moment until it commits (no inner step is dropped)."""
+        while self.in_flight is not None:
+            sync, self.in_flight = self.in_flight, None
+            if faults.fault("commit", step):  # [Note: fault injection]: `nocommit`
+                self.manager.report_error(RuntimeError(f"{faults.FAULT_ENV}: nocommit"))
+            waited = time.monotonic()
+            with self.teardown.waiting("a fragment sync across replica groups"):
+                for w in sync.works:
+                    try:
+                        w.wait()
+                    except RuntimeError as e:  # noqa: PERF203 - named in the commit below
+                        self.manager.report_error(e)
+                error = self.manager.errored()
+                committed = self.manager.should_commit()
+            self.wait_s += time.monotonic() - waited
+            if committed:
+                self._apply(step, sync)
+                return
+            why = first_line(error.original_exception) if error is not None else "a peer"
+            self._say(f"step {step}: the sync of fragment {sync.fragment} did not commit "
+                      f"({why}): sent again")  # fmt: skip
+            self._stalled(f"no fragment sync committed ({why})")
+            self.trained[sync.fragment] += int(sync.weight)
+            if sync.kept is not None:
+                self.outer.set_error(sync.fragment, sync.kept)
+            self._sync(step, sync.fragment, step, sync.alpha)  # in flight again
+
+    def _apply(self, step: int, sync: _Sync) -> None:
+        mean = self._mean(sync)
+        if mean is not None:  # None: no group of the quorum trained it (all just healed)
+            alpha = self.alpha if sync.alpha is None else sync.alpha
+            self.outer.apply(sync.fragment, mean, alpha)
+            self.engine.params_from_masters()
+        done = self.applied[1] if self.applied[0] == step else set()
+        self.applied = (step, done | {sync.fragment})
+
+    def _mean(self, sync: _Sync) -> torch.Tensor | None:
+        """Σ w Δ / Σ w of the quorum; with a lossy wire summed here from every group's
+        row, in group order, so that every group gets the same values."""
+        if sync.gathered is None:
+            total = float(sync.weights[0])
+            return sync.delta.div_(total) if total > 0 else None
+        n = sync.delta.numel()
+        out = torch.zeros_like(sync.delta)
+        total = 0.0
+        for row in sync.gathered:
+            values, weight = self._unpacked(row, n)
+            if weight > 0:
+                out.add_(values, alpha=weight)
+                total += weight
+        return out.div_(total) if total > 0 else None
+
+    def _unpacked(self, row: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+        if self.wire == "bf16":
+            values = row[: 2 * n].view(torch.bfloat16).float()
+            return values, float(row[2 * n :].view(torch.float32)[0])
+        values, tail = quantized.unpack(row.view(1, -1), n, BLOCK, tail=1)
+        return values[0], float(tail[0, 0])
+
+
+@dataclass
+class _Sync:
+    """A fragment's sync in flight."""
+
+    fragment: int
+    due: int  # the step after which it is waited for and applied
+    weight: float  # the slots it carries
+    alpha: float | None  # the mix it is applied with (None: ft.fragment_update_alpha)
+    delta: torch.Tensor  # fp32 wire: Σ w Δ lands here; lossy: this group's Δ
+    weights: torch.Tensor | None  # fp32 wire: Σ w lands here
+    works: list[Any]
+    gathered: list[torch.Tensor] | None  # lossy wire: every group's row
+    kept: torch.Tensor | None  # the error feedback before this send (restored on a retry)
