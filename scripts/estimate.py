@@ -4,11 +4,19 @@ model and a cluster, before launching anything (the model is never allocated).
     python scripts/estimate.py model=gpt model.n_layer=48 model.n_embd=1600 precision=bf16
     python scripts/estimate.py --world-size 16 --shard-group-size 8 model=gpt ...
     python scripts/estimate.py --params 7.5e9 --world-size 64 precision=bf16 mode.reduce_dtype=bf16
+    python scripts/estimate.py --replica-groups 4 --across-gbps 1.25 ft.semi_sync=diloco ...
     python scripts/estimate.py --json ...
 
 Arguments without dashes are train.py's Hydra overrides (`mode=zero` estimates that mode
 only); the options describe the cluster. Defaults: one node of 8 H100 80 GB (NVLink,
 one 400 Gb/s InfiniBand NIC per GPU). How each figure is computed: trainer/estimate/.
+
+Replica groups (`--replica-groups N`: N groups of --world-size ranks, ft.enabled=true) add
+the traffic between them: every step an AllReduce of each rank's gradients, or with
+ft.semi_sync=diloco|local_sgd one fragment's pseudo-gradient every ft.sync_steps /
+ft.fragments steps (ft.pseudo_grad_dtype on the wire, hidden behind
+ft.fragment_sync_delay steps); bytes per rank and step, and the seconds a step waits on
+the link between groups (--across-gbps), in step s.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.estimate import Cluster, compose_modes, estimate  # noqa: E402
+from trainer.estimate.replica_groups import groups_of  # noqa: E402
 from trainer.estimate.report import table, to_json  # noqa: E402
 from trainer.estimate.run import peak_flops  # noqa: E402
 from trainer.parallel.precision import Precision  # noqa: E402
@@ -54,6 +63,18 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=50.0,
         help="GB/s (bytes) a rank sends to other nodes (50: one 400 Gb/s NIC per GPU)",
+    )
+    parser.add_argument(
+        "--replica-groups",
+        type=int,
+        help="N replica groups of --world-size ranks each, as ft.replica_groups=N (1: "
+        "nothing crosses groups); ft.* overrides set how they sync",
+    )
+    parser.add_argument(
+        "--across-gbps",
+        type=float,
+        default=0.125,
+        help="GB/s (bytes) a rank sends to the other replica groups, one way (0.125: 1 Gb/s)",
     )
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (0.4)")
     parser.add_argument(
@@ -91,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cluster = _cluster(args)
         # A bare count has no batch to divide over the ranks.
-        cfgs = compose_modes(args.overrides, 1 if args.params else args.world_size)
+        cfgs = compose_modes(
+            args.overrides, 1 if args.params else args.world_size, args.replica_groups
+        )
         result = estimate(cfgs, cluster, args.device_gb * 1e9, args.shard_group_size, args.params)
     except ConfigError as e:
         fail(str(e))
@@ -106,7 +129,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     for name in ("device_gb", "intra_gbps", "inter_gbps", "peak_tflops", "disk_read_gbps",
-                 "disk_write_gbps", "host_link_gbps", "host_step_ns"):  # fmt: skip
+                 "disk_write_gbps", "host_link_gbps", "host_step_ns", "across_gbps"):  # fmt: skip
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be > 0")
@@ -116,7 +139,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return Cluster(
         args.world_size, args.ranks_per_node, args.intra_gbps * 1e9, args.inter_gbps * 1e9,
         peak, args.mfu, args.disk_read_gbps * 1e9, args.disk_write_gbps * 1e9,
-        args.host_link_gbps * 1e9, args.host_step_ns * 1e-9,
+        args.host_link_gbps * 1e9, args.host_step_ns * 1e-9, args.across_gbps * 1e9,
     )  # fmt: skip
 
 
@@ -124,10 +147,12 @@ def _header(args: argparse.Namespace, cluster: Cluster, cfgs: dict, result: dict
     cfg = next(iter(cfgs.values()))
     fig = next(f for f in result.values() if "refused" not in f)
     what = f"{fig['params']:,} parameters"
+    groups = groups_of(cfg)
     if "micro_batch" in fig:
+        ranks = f"{args.world_size} ranks" + (f" x {groups} groups" if groups > 1 else "")
         what = (
             f"{cfg.model._target_.rsplit('.', 1)[-1]}, {what}; micro-batch {fig['micro_batch']}"
-            f" (batch {cfg.train.batch_size} / {args.world_size} ranks / "
+            f" (batch {cfg.train.batch_size} / {ranks} / "
             f"{fig['grad_accum_steps']} accumulation steps)"
         )
     dtypes = f"precision {cfg.precision}, reduce {cfg.mode.get('reduce_dtype', 'fp32')}"
@@ -142,6 +167,10 @@ def _header(args: argparse.Namespace, cluster: Cluster, cfgs: dict, result: dict
         disk = f"; disk {args.disk_read_gbps:g} GB/s read, {args.disk_write_gbps:g} GB/s write"
     elif cfg.mode.get("offload") == "host":
         disk = f"; host link {args.host_link_gbps:g} GB/s, host step {args.host_step_ns:g} ns/param"
+    if groups > 1:  # [Note: traffic across replica groups]
+        disk += f"; {groups} replica groups, {args.across_gbps:g} GB/s between them"
+    elif cfg.ft.enabled:  # ft keys given, --replica-groups not
+        disk += "; 1 replica group: nothing crosses groups (--replica-groups N)"
     return [
         f"model: {what}; {dtypes}",
         f"cluster: {args.world_size} ranks on {nodes} node(s) of {args.ranks_per_node}; "

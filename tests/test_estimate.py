@@ -49,8 +49,9 @@ CASES = {
     "mlp": ["model=mlp", "model.hidden=512", "model.depth=4", "train.batch_size=8"],
 }
 CASES["mlp"].append("mode.bucket_mb=1.1")
-# hybrid sharding: zero and fsdp shard over {0, 1} and {2, 3}, AllReduce across them
-CASES["mlp_hybrid"] = [*CASES["mlp"], "mode.shard_group_size=2"]
+# hybrid sharding: zero and fsdp shard over {0, 1} and {2, 3}, AllReduce across them;
+# an odd hidden size leaves odd buffers, padded to cut them in two
+CASES["mlp_hybrid"] = [*CASES["mlp"], "mode.shard_group_size=2", "model.hidden=511"]
 # weight sharing across depth: fsdp gathers the hidden layers again in the second loop,
 # and again for each loop's backward
 CASES["mlp_looped"] = ["model=mlp", "model.hidden=256", "model.depth=4", "model.loops=2",
@@ -83,6 +84,9 @@ RUNS = {
     4: ["mlp_hybrid", "gpt_moe_ep2"],
 }
 DEVICE = 80e9
+# Replica groups: diloco in 3 fragments (uneven: the units dealt strided)
+FRAGMENTS = 3
+SEMI_SYNC = ["ft.semi_sync=diloco", f"ft.sync_steps={FRAGMENTS}", f"ft.fragments={FRAGMENTS}"]
 
 
 def _script_main():
@@ -214,7 +218,10 @@ def _build_heap(cfg, dataset, meta: bool) -> int:
 
 
 def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
+    from omegaconf import OmegaConf
+
     from trainer import comm
+    from trainer.comm.diloco import OuterState, fragments_for
     from trainer.observe import memory
     from trainer.run.loop import forward_backward
 
@@ -231,6 +238,9 @@ def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
             got["activations"] = _activations(cfg, x[: n // k], y[: n // k])
         torch.manual_seed(0)
         model = instantiate(cfg.model, **model_sizes(cfg))
+        # the run's fragments, cut before the engine is built (fsdp empties the model)
+        ft = {"enabled": True, "replica_groups": 2, "semi_sync": "diloco", "fragments": FRAGMENTS}
+        where = fragments_for(OmegaConf.merge(cfg, {"ft": ft}), model)
         box = []  # the engine, once built
         sampler = _Sampler(lambda box=box: _working(box[0]))
         for p in model.parameters():  # before the engine's hooks: sees each new gradient
@@ -244,10 +254,18 @@ def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
         comm.stats.reset()
         with sampler if k == 1 and engine.name != "ddp" else nullcontext():
             forward_backward(engine, x, y, k)
+        # the values the per-step sync across replica groups reduces (replicas.py's
+        # `reduce`, between backward and the step)
+        got["grad_values"] = sum(g.numel() for g in engine.grad_tensors()[0])
         engine.step()
         got["traffic"] = dict(comm.stats.bytes_sent)
         got["across_groups"] = comm.stats.bytes_across
         got["working"] = sampler.peak
+        # what the inner optimizer steps of each fragment, whose pseudo-gradient a
+        # fragment sync across replica groups sends (diloco.py's `_send`; none where a
+        # fragment holds nothing on this rank)
+        outer = OuterState(engine, where, FRAGMENTS, 1.0, 0.0, lossy=False)
+        got["fragment_values"] = [sum(t.numel() for t in ts) for ts in outer.local]
         out.append(got)
     return out
 
@@ -309,6 +327,38 @@ def test_traffic_is_byte_exact(runs):
         assert measured[0]["across_groups"] == across > 0 or not hybrid, (case, mode)
 
 
+def test_values_across_replica_groups_are_the_engines_on_every_rank(runs):
+    """What a rank sends to the other groups is counted from values (the bytes per value
+    and wire: test_bytes_and_seconds_across_replica_groups, and a run's own counter:
+    test_two_replica_groups_count_what_the_estimate_says): the estimate's values per
+    sync, for each rank, against the engine's after one step. Every step: what
+    `grad_tensors()` holds (zero and fsdp: padded slices). Fragment syncs: what the
+    inner optimizer steps of each fragment (diloco.OuterState's), 0 where a fragment
+    holds nothing on a rank (zero's contiguous slices)."""
+    from trainer.estimate import replica_groups
+
+    p, cases = runs
+    checked = 0
+    for case, mode, _, _, measured in cases:
+        cfg = compose_modes([*CASES[case], f"mode={mode}", *SEMI_SYNC], p, 2)[mode]
+        model = build_meta(cfg)
+        plan = mode_plan(cfg, model, shard_size(mode, cfg, p, None))
+        semi = replica_groups.schedule_of(cfg)
+        every = replica_groups.Schedule(2, None, 1, 1, 0, "fp32")
+        where = replica_groups.fragments(cfg, model, plan)
+        for r, got in enumerate(measured):
+            assert replica_groups.values_per_sync(plan, every, None, r) == [got["grad_values"]]
+            want = got["fragment_values"]
+            assert replica_groups.values_per_sync(plan, semi, where, r) == want, (case, mode, r)
+            checked += 1
+        # the figures are the busiest rank's
+        fig = replica_groups.figures(plan, semi, where, 6, 1e9)
+        sent = [[replica_groups.sync_bytes(v, semi) for v in m["fragment_values"]]
+                for m in measured]  # fmt: skip
+        assert fig["bytes_per_sync"] == max(sent, key=sum), (case, mode)
+    assert checked
+
+
 def test_activations_within_10pct_of_measured(runs):
     _, cases = runs
     seen = 0
@@ -355,8 +405,82 @@ def test_build_peak_within_10pct_of_measured(runs):
             assert abs(want - got) < 0.10 * got + 2**20, (case, mode, build, want, got)
 
 
+def test_two_replica_groups_count_what_the_estimate_says(tmp_path):
+    """Two one-rank replica groups (torchft's Lighthouse here, one job each) train 6 steps
+    of DiLoCo in 2 fragments, H = 4, int8 on the wire, each sync waited for one step
+    after it is sent: fragment 0 after steps 1 and 5, fragment 1 after step 3, and at the
+    last step fragment 1 again (fragment 0's sync, in flight, is applied there). The
+    bytes the run counts across groups over its one logging interval (final_metrics.json
+    of each group) are the estimate's average over the run, to the byte."""
+    pytest.importorskip("torchft", reason="torchft is in make install's extras")
+    from ft_harness import Lighthouse, finished, start_group
+
+    args = ["mode=ddp", "model=mlp", "data=synthetic", "optim=sgd", "train.steps=6",
+            "train.log_every=6", "train.batch_size=16", "ckpt.every=0", "train.eval_every=0",
+            "ft.semi_sync=diloco", "ft.sync_steps=4", "ft.fragments=2",
+            "ft.fragment_sync_delay=1", "ft.pseudo_grad_dtype=int8"]  # fmt: skip
+    ft = ["ft.enabled=true", "ft.replica_groups=2", "ft.timeout_s=30", "ft.heartbeat_ms=50"]
+    lh = Lighthouse(2)
+    try:
+        ps = [start_group(tmp_path, lh.address, g, [*args, *ft]) for g in (0, 1)]
+        est = estimate(compose_modes(args, 1, 2), cluster(1), DEVICE, alternative=False)["ddp"]
+        logs = [finished(p) for p in ps]
+    finally:
+        lh.close()
+    for p, log in zip(ps, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    a = est["replica_groups"]
+    b0, b1 = a["bytes_per_sync"]
+    assert b0 != b1  # the fragments differ: the schedule shows in the figure
+    assert a["bytes_per_step_over_run"] == 2 * (b0 + b1) / 6 != a["bytes_per_step"]
+    for g in (0, 1):
+        final = json.loads((tmp_path / f"g{g}" / "final_metrics.json").read_text())
+        assert (
+            final["comm/bytes_per_step/ft_across_replica_groups"] == (a["bytes_per_step_over_run"])
+        ), g
+    assert est["micro_batch"] == 16 // 2  # the batch is cut over both groups
+
+
 # ---------------------------------------------------------------------------------------
 # Without processes
+
+
+def test_bytes_and_seconds_across_replica_groups():
+    """[Note: traffic across replica groups] on a bare count of Ψ = 10^6 over P = 4 ranks
+    and N = 4 groups: every step, each rank's fp32 gradients (zero: its slice) AllReduced,
+    all of it waited for; a fragment sync per wire as the run counts it; the step time
+    with the sync hidden behind tau steps up to their time."""
+    from trainer.comm import quantized
+    from trainer.estimate import replica_groups
+
+    psi, p, n = 10**6, 4, 4
+    c = Cluster(p, p, 450e9, 50e9, 989e12, 0.4, across_Bps=1e9)
+
+    def across(*overrides: str) -> dict:
+        cfgs = compose_modes(["mode=zero", *overrides], p, n)
+        return estimate(cfgs, c, DEVICE, params=psi)["zero"]["replica_groups"]
+
+    ring = 2 * (n - 1) / n
+    every = across()
+    assert every["bytes_per_step"] == ring * psi / p * 4
+    assert every["exposed_s_per_step"] == every["bytes_per_step"] / 1e9
+    syncs = {"fp32": ring * (psi / p * 4 + 8), "bf16": (n - 1) * (2 * psi / p + 4),
+             "int8": (n - 1) * quantized.row_bytes(psi // p, 256, 1)}  # fmt: skip
+    for wire, want in syncs.items():
+        got = across("ft.semi_sync=diloco", "ft.sync_steps=10", f"ft.pseudo_grad_dtype={wire}")
+        assert got["bytes_per_sync"] == [want], wire
+        assert got["bytes_per_step"] == want / 10
+        assert got["exposed_s_per_step"] == pytest.approx(want / 1e9 / 10)  # tau = 0
+    # tau = 2 steps of 1 ms hide 2 ms of each sync, of 3 and 5 ms: 1 + 3 ms show, over a
+    # period of 2 fragments x 5 steps
+    s = replica_groups.Schedule(n, "diloco", 5, 2, 2, "fp32")
+    assert replica_groups.exposed_s_per_step([3e6, 5e6], s, 1e9, 1e-3) == pytest.approx(4e-4)
+    assert replica_groups.exposed_s_per_step([3e6, 5e6], s, 1e9, None) is None
+    # a run's last step syncs every fragment not applied there ([Note: the fragment
+    # schedule]): H = 4, F = 2, 8 steps: after steps 2 (0), 4 (1), 6 (0), 8 (1), then 0
+    s = replica_groups.Schedule(n, "diloco", 2, 2, 0, "fp32")
+    assert replica_groups.run_syncs(8, s) == [0, 1, 0, 1, 0]
+    assert replica_groups.run_syncs(3, s) == [0, 0, 1]  # none applied at step 3: both
 
 
 def test_moe_flops_count_the_top_k_experts_as_torch_counts_them():
@@ -499,6 +623,10 @@ def test_bad_cluster_input_is_one_line(capsys):
         (["--mfu", "1.5", "--params", "1e6"], "--mfu 1.5"),
         (["mode=ddp", "--shard-group-size", "2", "--params", "1e6"], "not ddp"),
         (["model.n_layr=3"], "model.n_layr"),
+        (["--params", "1e6", "--replica-groups", "2", "ft.replica_groups=3"], "differs from"),
+        (["--params", "1e6", "--replica-groups", "2", "ft.enabled=false"], "ft.enabled=false"),
+        (["--params", "1e6", "--across-gbps", "0"], "--across-gbps 0"),
+        (["--params", "1e6", "--replica-groups", "2", *SEMI_SYNC], "no units to cut"),
     ]:
         with pytest.raises(SystemExit) as e:
             main(argv)

@@ -7,6 +7,7 @@ without allocating the model (scripts/estimate.py is its command line).
 layout.py      the flat buffers of each mode, model state per rank, working set
 activations.py one forward and backward in fake tensors: peak activation bytes
 traffic.py     bytes per collective inside and across nodes; the step-time model
+replica_groups.py  bytes and seconds across replica groups (ft), per step or per sync
 compose.py     the Hydra config per mode; run.py puts it together; report.py prints it
 """
 

@@ -99,6 +99,9 @@ def table(result: dict[str, dict[str, Any]], header: list[str]) -> str:
                 f"and writes {o['io_bytes_per_step'] / size:.2f} {name}: {o['io_s']:.3g} s"
                 f"{', in step s' if full else ''}"
             )
+    for mode, f in result.items():  # [Note: traffic across replica groups]
+        if "replica_groups" in f:
+            lines.append(_across(mode, f["replica_groups"], full))
     for mode, why in refused.items():
         lines.append(f"{mode}: refused: {why}")
     if any("alternative" in f for f in figs):
@@ -133,3 +136,38 @@ def _unit(largest: float) -> tuple[str, float]:
 def _name(mode: str, f: dict[str, Any]) -> str:
     s = f.get("shard_group_size")
     return f"{mode} S={s}" if s is not None and s < f["world_size"] else mode
+
+
+def _across(mode: str, a: dict[str, Any], full: bool) -> str:
+    """One line on the traffic between replica groups and the time a step waits on it."""
+    per_step = _bytes(a["bytes_per_step"])
+    link = f"{a['link_s_per_sync']:.3g} s on the {a['link_Bps'] / 1e9:g} GB/s link"
+    wait = a["exposed_s_per_step"]
+    shown = "" if wait is None else f"{wait:.3g} s per step{', in step s' if full else ''}"
+    if a["sync"] == "every_step":
+        return (
+            f"{mode}: across {a['replica_groups']} replica groups every step, an fp32 "
+            f"AllReduce of each rank's gradients: {per_step} per rank and step, {link}, "
+            f"waited for: {shown}"
+        )
+    tau = a["fragment_sync_delay"]
+    if tau == 0:
+        hidden = f"waited for at once: {shown}"
+    elif wait is None:  # no step time to hide it behind (a bare count, no pass)
+        hidden = f"hidden behind {tau} step(s) as far as a step's time allows"
+    else:
+        hidden = f"beyond what {tau} step(s) hide: {shown}"
+    f, every = a["fragments"], a["sync_every_steps"]
+    what = "the model" if f == 1 else f"one of {f} fragments"
+    when = "every step" if every == 1 else f"every {every} steps"
+    return (
+        f"{mode}: {a['sync']} across {a['replica_groups']} replica groups, {what} {when}, "
+        f"{a['wire']} on the wire: {per_step} per rank and "
+        f"step over a sync period, at most {_bytes(a['peak_bytes_per_sync'])} a sync "
+        f"({link}); {hidden}"
+    )
+
+
+def _bytes(n: float) -> str:
+    name, size = _unit(n)
+    return f"{n / size:.2f} {name}"

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from trainer.comm.groups import check_shard_group_size
 from trainer.config.checks import engine_options
 from trainer.errors import ConfigError
-from trainer.estimate import layout
+from trainer.estimate import layout, replica_groups
 from trainer.estimate.activations import Activations, measure_passes
 from trainer.estimate.traffic import EXPOSED, Cluster, Sent, collectives, split, step_time
 from trainer.observe.metrics import PEAK_FLOPS
@@ -45,7 +45,8 @@ def estimate(
     world, k = cluster.world_size, first.train.grad_accum_steps
     if shard_group_size is not None and set(cfgs) == {"ddp"}:
         raise ConfigError("a shard group size applies to mode=zero and mode=fsdp, not ddp")
-    micro = first.train.batch_size // (world * k)
+    groups = replica_groups.groups_of(first)  # the batch is cut over N x P ranks
+    micro = first.train.batch_size // (world * groups * k)
     opt = layout.optimizer_state(optimizer_factory(first.optim))
     if params is not None:
         psi = int(params)
@@ -122,6 +123,17 @@ def estimate(
             )
             offload["stepping_bytes"] = 0  # its state is on the host the whole time
         sent = collectives(plan, precision, world, k, buffers)
+        sync = replica_groups.schedule_of(cfg)
+        across = None  # [Note: traffic across replica groups]
+        if sync is not None:
+            try:
+                where = replica_groups.fragments(cfg, model, plan)
+                across = replica_groups.figures(
+                    plan, sync, where, cfg.train.steps, cluster.across_Bps
+                )
+            except ConfigError as e:  # fragments the run refuses for this mode's layout
+                out[mode] = {"refused": str(e)}
+                continue
         fig: dict[str, Any] = {
             "params": plan.psi,
             # forward and backward per prediction ([Note: step time model] in traffic.py)
@@ -134,6 +146,8 @@ def estimate(
         }
         if mode != "ddp":
             fig["shard_group_size"] = s
+        if across is not None:
+            fig["replica_groups"] = across
         if offload is not None:
             fig["offload"] = offload
         if model is not None and experts.moe_shape(model) is not None:
@@ -165,12 +179,23 @@ def estimate(
                 )
                 if offload is not None:  # the file's I/O (or the host step) after backward
                     fits["step_s"] += offload["io_s"]
+                if across is not None:  # what the link between groups does not hide
+                    wait = replica_groups.exposed_s_per_step(
+                        across["bytes_per_sync"], sync, cluster.across_Bps, fits["step_s"]
+                    )
+                    fits["across_groups_s"] = wait
+                    fits["step_s"] += wait
                 if ac is None or ac == bool(first.model.activation_checkpointing):
                     fig["activation_checkpointing"] = ac
                     fig.update(fits)
+                    if across is not None:
+                        across["exposed_s_per_step"] = fits["across_groups_s"]
                 else:
                     fig["alternative"] = {"activation_checkpointing": ac, **fits}
         out[mode] = fig
+    if all("refused" in f for f in out.values()):  # nothing to show
+        mode, fig = next(iter(out.items()))
+        raise ConfigError(f"mode={mode}: {fig['refused']}")
     return out
 
 
@@ -202,7 +227,8 @@ def _all_to_all_bytes(
     again) the rows out and their results back."""
     shape = experts.moe_shape(model)
     e = int(cfg.mode.get("expert_parallel", 1))
-    tokens = cfg.train.batch_size // world * getattr(model, "block_size", 0)
+    ranks = world * replica_groups.groups_of(cfg)  # the batch is cut over every group's
+    tokens = cfg.train.batch_size // ranks * getattr(model, "block_size", 0)
     element = precision.param_dtype.itemsize
     return experts.all_to_all_bytes(shape, e, tokens, element, 3 if checkpointing else 2)
 

@@ -34,6 +34,9 @@ class Cluster:
     # 1 ns on one core, measured: scripts/benchmarks/bench_offload.py)
     host_link_Bps: float = 25e9
     host_step_s_per_param: float = 1e-9
+    # ft.replica_groups > 1: bytes/s a rank sends to its peers of the other replica
+    # groups, one way ([Note: traffic across replica groups] in replica_groups.py)
+    across_Bps: float = 0.125e9
 
 
 @dataclass
