@@ -26,7 +26,8 @@ KERNEL_TESTS ?= tests/test_ddp.py tests/test_zero.py tests/test_fsdp.py tests/te
 	tests/test_precision.py tests/test_fp16_backward.py tests/test_checkpoint.py \
 	tests/test_third_party.py tests/test_overlap.py tests/test_launch.py tests/test_own_text.py \
 	tests/test_compile.py tests/test_meta_build.py tests/test_materialize.py tests/test_weights.py \
-	tests/test_experts.py tests/test_checkpoint_experts.py tests/test_offload.py tests/test_ft.py
+	tests/test_experts.py tests/test_checkpoint_experts.py tests/test_offload.py tests/test_ft.py \
+	tests/test_diloco.py tests/test_unit_order.py
 
 # torch takes ATEN_CPU_CAPABILITY at its word: asked for avx512 on a CPU without it, it says
 # avx512 and dies of an illegal instruction. So the CPU's own flags decide what runs.
