@@ -313,11 +313,7 @@ def _files(
         root = Path(dir).expanduser()
         if not root.is_dir():
             raise ConfigError(f"data.dir={dir} is not a directory")
-        name = "train.bin" if train else "val.bin"
-        if not (root / name).is_file():
-            hint = "" if train else "; set train.eval_every=0 to train without evaluation"
-            raise ConfigError(f"data.dir={dir} has no {name}{hint}")
-        files = [root / name]
+        files = _split_files(root, "train" if train else "val", dir)
     else:
         pattern = path if train else val_path
         key = "data.path" if train else "data.val_path"
@@ -333,6 +329,22 @@ def _files(
     meta = read_meta(root)
     meta["source"] = str(root / ("meta.json" if (root / "meta.json").is_file() else "meta.pkl"))
     return files, meta
+
+
+def _split_files(root: Path, split: str, given: str) -> list[Path]:
+    """A directory's files of one split: `train.bin` (one file), or the shards
+    `train_000000.bin`, `train_000001.bin`, ... that `scripts/prepare_text.py --shard-tokens`
+    writes, in order."""
+    whole, shards = root / f"{split}.bin", sorted(root.glob(f"{split}_[0-9]*.bin"))
+    if whole.is_file() and shards:
+        raise ConfigError(
+            f"data.dir={given} holds both {whole.name} and {len(shards)} {split}_*.bin shards; "
+            "keep one of them (each is the whole split)"
+        )
+    if not whole.is_file() and not shards:
+        hint = "" if split == "train" else "; set train.eval_every=0 to train without evaluation"
+        raise ConfigError(f"data.dir={given} has no {split}.bin or {split}_*.bin shards{hint}")
+    return [whole] if whole.is_file() else shards
 
 
 # [Note: windows drawn from the step]
