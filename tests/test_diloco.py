@@ -350,13 +350,15 @@ def test_a_group_back_mid_run_heals_with_the_outer_state(tmp_path, lighthouse):
     _same_as(want, a, "group 1 healed at step 8")
 
 
-def test_a_checkpoint_holds_the_global_copy_and_the_outer_state(tmp_path, lighthouse):
+# inner momentum 0: torch's SGD keeps no state of its own, the outer tensors are all of it
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_a_checkpoint_holds_the_global_copy_and_the_outer_state(tmp_path, lighthouse, momentum):
     """One group, killed after step 6 mid-round (checkpoint of step 5) and resumed: the
     global copy, the outer momentum and the round's position come back with the
     checkpoint, so the run ends bitwise where the uninterrupted one does."""
     lh = lighthouse(min_replicas=1)
     args = [*BASE, "ft.enabled=true", "ft.replica_groups=1", "ft.heartbeat_ms=50", "ckpt.every=5",
-            "ft.semi_sync=diloco", "ft.sync_steps=4", "optim.momentum=0.9"]  # fmt: skip
+            "ft.semi_sync=diloco", "ft.sync_steps=4", f"optim.momentum={momentum}"]  # fmt: skip
     whole = start_group(tmp_path / "whole", lh.address, 0, args)
     assert finished(whole) and whole.returncode == 0
     cut = start_group(tmp_path / "cut", lh.address, 0, args, env={"SHARDTRAIN_FAULT": "0:6:kill"})

@@ -123,7 +123,7 @@ def join_groups(
     (ft.semi_sync) at its fragments' syncs only."""
     args = (cfg.ft, rank, world_size, device, fingerprint, state_dict, load_state_dict)
     if fragment_of is None:
-        return FaultTolerantReplicas(*args)
+        return FaultTolerantReplicas(*args, engine)
     return SemiSyncReplicas(*args, engine, fragment_of, int(cfg.train.steps))
 
 
@@ -161,7 +161,12 @@ class OuterState:
         self.outer: list[torch.optim.SGD] = []
 
     def _state(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        state = self.engine.optimizer.state.get(t)
+        optimizer = self.engine.optimizer
+        state = optimizer.state.get(t)
+        if not state and _builds_no_state(optimizer, t):  # ours is all there is
+            state = optimizer.state[t]
+            state.update(self.aside.pop(id(t), None) or self._fresh(t))
+            return state
         if state:  # the optimizer built its own state: ours rides along
             if GLOBAL not in state:
                 state.update(self.aside.pop(id(t), None) or self._fresh(t))
@@ -246,6 +251,17 @@ class OuterState:
             if fragment is None:
                 for e in self.errors[f]:
                     e.zero_()
+
+
+def _builds_no_state(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> bool:
+    """Whether `optimizer` never keeps state of its own for `t`: torch's SGD without
+    momentum. Its state then holds the outer tensors from the start (else they would stay
+    aside: out of checkpoints and heals); others build theirs at their first step of t,
+    from an empty state ([Note: outer state in the optimizer's state])."""
+    if type(optimizer) is not torch.optim.SGD:
+        return False
+    group = next(g for g in optimizer.param_groups if any(p is t for p in g["params"]))
+    return group["momentum"] == 0
 
 
 # [Note: the fragment schedule]
