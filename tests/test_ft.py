@@ -456,6 +456,47 @@ def test_a_failed_reduce_changes_no_gradient():
     assert torch.equal(g, torch.tensor([1.0, 2.0, 3.0])) and loss.item() == 0.5
 
 
+def test_ddp_sends_each_bucket_across_during_backward(tmp_path):
+    """[Note: across replica groups during backward]: a ddp engine (one rank, buckets of
+    one layer each) chains each bucket's cross-group AllReduce, weighted by slots / N, on
+    its own reduction; backward's end has them all, and `reduce` sends only the figures.
+    The gradients are the weighted sum, as the after-backward path makes them."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from trainer.comm.replicas import _Across
+    from trainer.parallel.ddp import DDPEngine
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 2))
+        x = torch.randn(4, 8)
+        model(x).square().mean().backward()  # the reference: this group's own gradients
+        mine = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        engine = DDPEngine(model, lambda groups: torch.optim.SGD(groups, lr=0.1), bucket_mb=1e-3)
+        assert len(engine.buckets) >= 3
+        # the other group's bucket gradients, in the order the buckets are sent
+        theirs = [torch.full_like(b.grad, 0.5 * (i + 1)) for i, b in enumerate(engine.buckets)]
+        figures = torch.tensor([0.0, 0.0] + [1.0] * 6, dtype=torch.float64)  # every tensor: a grad
+        manager = _TwoGroups([*theirs, figures])
+        r = _replicas(manager)
+        engine.across = _Across(r, weight=0.5)  # one slot of N = 2
+        engine(x).square().mean().backward()
+        assert engine.sent_across and manager.theirs[0].dtype == torch.float64  # all sent
+        r.reduce(engine, torch.tensor(1.0), torch.tensor(0.0), slots=1)
+        assert not manager.theirs and engine.across is None and not engine.sent_across
+        other = {id(p): t for b, t in zip(engine.buckets, theirs, strict=True)
+                 for p, t in zip(b.params, b.layout.views(t), strict=True)}  # fmt: skip
+        for p, g in zip(model.parameters(), mine, strict=True):
+            # one product and one sum of fp32 values, as the after-backward path: exact
+            assert torch.equal(p.grad, g * 0.5 + other[id(p)])
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_lighthouse_gone_for_good_stops_the_run_after_the_stall_budget():
     """A quorum waits at most what is left of ft.stall_timeout_s since the last commit, so a
     Lighthouse that never comes back stops the run then (with a checkpoint, as too few

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import faults
-from trainer.comm.collectives import broadcast_object, stats
+from trainer.comm.collectives import Handle, broadcast_object, stats
 from trainer.errors import ConfigError, TrainingError, first_line
 
 # [Note: fault-tolerant replica groups]
@@ -195,7 +195,9 @@ class FaultTolerantReplicas(Replicas):
         fingerprint: int,
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
+        engine: Any = None,
     ) -> None:
+        self.engine = engine  # sends its gradients across during backward, if it can
         # torchft logs every quorum and commit at INFO (Rust and Python): warnings only,
         # unless the user asked for more (RUST_LOG, or the loggers' levels set first)
         os.environ.setdefault("RUST_LOG", "warn")
@@ -287,7 +289,10 @@ class FaultTolerantReplicas(Replicas):
     # -- each step ---------------------------------------------------------------------
     def start_step(self, step: int) -> StepPlan:
         with self.teardown.waiting("the quorum"):
-            return self._start_step(step)
+            plan = self._start_step(step)
+        if self.engine is not None:  # [Note: across replica groups during backward]
+            self.engine.across = _Across(self, len(plan.slots) / self.groups)
+        return plan
 
     def _start_step(self, step: int) -> StepPlan:
         while True:
@@ -385,7 +390,10 @@ class FaultTolerantReplicas(Replicas):
         returns this rank position's loss and correct count over all N slots. Refuses
         gradients that some groups have and others not."""
         weight = slots / self.groups
-        grads = engine.grad_tensors()[0]
+        # sent during backward already: [Note: across replica groups during backward]
+        sent = getattr(engine, "sent_across", False)
+        engine.across, engine.sent_across = None, False
+        grads = [] if sent else engine.grad_tensors()[0]
         flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else None
         stepped = [p for g in engine.optimizer.param_groups for p in g["params"]]
         has_grad = torch.tensor([p.grad is not None for p in stepped], dtype=torch.float64)
@@ -397,7 +405,7 @@ class FaultTolerantReplicas(Replicas):
         if flat is not None:
             flat.mul_(weight)
             works.append(self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM))
-            # comm/bytes_per_step/ft_across_replica_groups in TensorBoard (groups of P > 1)
+            # comm/bytes_per_step/ft_across_replica_groups in TensorBoard
             stats.bytes_sent["ft_across_replica_groups"] += _ring_bytes(flat, self.manager)
         works.append(self.manager.allreduce(figures, reduce_op=dist.ReduceOp.SUM))
         with self.teardown.waiting("the cross-group AllReduce"):
@@ -472,6 +480,37 @@ class FaultTolerantReplicas(Replicas):
 # with one line. A preemption of every group, whose waits end in milliseconds, stops as
 # any run does, at its next check step with a checkpoint.
 TEARDOWN_S = 2.0
+
+
+# [Note: across replica groups during backward]
+# A group's own reduction runs bucket by bucket during backward (ddp: each bucket's
+# AllReduce as soon as its gradients are in). The per-step sync across groups follows it
+# there: `start_step` hands the engine an `_Across` for the step, and a mode that can
+# (ddp, with fp32 buckets reduced over all of the group's ranks) chains each bucket's
+# cross-group AllReduce on that bucket's own (collectives.py `chain`: launched from the
+# continuation thread once the group's mean is in, in bucket order, the same order in
+# every group), weighted by slots / N in place. Backward's end waits for both; `reduce`
+# then sends only the loss, the correct count and the has-gradient flags. Elsewhere
+# (zero, fsdp, bf16 or int8 buckets, expert buckets) `reduce` sends the gradients after
+# backward, as one flat fp32 AllReduce. Nothing else launches on the Manager's process
+# group while backward runs: the quorum comes before it and the figures after its end.
+
+
+class _Across:
+    """One step's cross-group AllReduce of a bucket of gradients, weighted by slots / N."""
+
+    def __init__(self, replicas: FaultTolerantReplicas, weight: float) -> None:
+        self.replicas, self.weight = replicas, weight
+
+    def send(self, grad: torch.Tensor) -> Any:
+        manager = self.replicas.manager
+        grad.mul_(self.weight)
+        work = manager.allreduce(grad, reduce_op=dist.ReduceOp.SUM)
+        stats.bytes_sent["ft_across_replica_groups"] += _ring_bytes(grad, manager)
+        return Handle(work)
+
+    def waiting(self) -> AbstractContextManager:
+        return self.replicas.teardown.waiting("the cross-group AllReduce")
 
 
 class Teardown:

@@ -17,6 +17,7 @@ parameters (mixed precision, int8): [Note: ddp's reduce dtype], beside `DDPEngin
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -128,6 +129,11 @@ class DDPEngine(Engine):
         # copies into them
         self._views = all(p.dtype == mp.reduce_dtype for p in params)
         self._separate_grads = mp.mixed or not self._views  # masters get their own .grad
+        # Sent across replica groups bucket by bucket where every bucket holds fp32
+        # gradients reduced over all ranks ([Note: across replica groups during backward])
+        self._across_ok = not mp.reduce_int8 and all(
+            b.buffer.dtype == torch.float32 and b.group is None for b in self.buckets
+        )
         names = {id(p): n for n, p in named}
         self._queue = BucketQueue(self.buckets, names, self._launch, self.name)
         for b in self.buckets:
@@ -177,6 +183,9 @@ class DDPEngine(Engine):
             )  # fmt: skip
         else:
             b.handle = comm.all_reduce(b.buffer, average=True, tag=tag, group=b.group)
+        across = self.across if self._across_ok else None
+        if across is not None:  # then across the groups, as soon as the group's mean is in
+            b.handle = comm.chain(b.handle, lambda: across.send(b.grad))
 
     def _finish_backward(self) -> None:
         self._had_backward = True
@@ -188,9 +197,13 @@ class DDPEngine(Engine):
         # collectives.
         self._queue.launch(force=True)
         self._queue.reset()
+        across = self.across if self._across_ok else None
+        with across.waiting() if across is not None else nullcontext():
+            for b in self.buckets:
+                b.handle.wait()
+                b.handle = None
+        self.sent_across = across is not None
         for b in self.buckets:
-            b.handle.wait()
-            b.handle = None
             if self._separate_grads:
                 g = b.grad if b.grad.dtype == torch.float32 else b.grad.float()
                 for m, v in zip(b.masters, b.layout.views(g), strict=True):

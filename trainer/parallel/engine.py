@@ -93,6 +93,12 @@ class Engine(ABC):
         self.frozen = FrozenMasters()  # fp32 values of frozen parameters, if cast
         # mode.offload=disk: the optimizer state in a file between steps (offload/state.py)
         self.offload: OffloadedState | HostOffload | None = None
+        # Replica groups' per-step sync, sent bucket by bucket behind this rank's own
+        # reduction where the mode can ([Note: across replica groups during backward] in
+        # comm/replicas.py): set by the replica groups for one step; `sent_across` says
+        # that step's gradients went across during backward.
+        self.across: Any = None
+        self.sent_across = False
 
     # -- forward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
