@@ -485,15 +485,17 @@ TEARDOWN_S = 2.0
 # [Note: across replica groups during backward]
 # A group's own reduction runs bucket by bucket during backward (ddp: each bucket's
 # AllReduce as soon as its gradients are in). The per-step sync across groups follows it
-# there: `start_step` hands the engine an `_Across` for the step, and a mode that can
-# (ddp, with fp32 buckets reduced over all of the group's ranks) chains each bucket's
-# cross-group AllReduce on that bucket's own (collectives.py `chain`: launched from the
-# continuation thread once the group's mean is in, in bucket order, the same order in
-# every group), weighted by slots / N in place. Backward's end waits for both; `reduce`
-# then sends only the loss, the correct count and the has-gradient flags. Elsewhere
-# (zero, fsdp, bf16 or int8 buckets, expert buckets) `reduce` sends the gradients after
-# backward, as one flat fp32 AllReduce. Nothing else launches on the Manager's process
-# group while backward runs: the quorum comes before it and the figures after its end.
+# there: `start_step` hands the engine an `_Across` for the step, and where the group's
+# reduction yields fp32 (ddp's buckets reduced over all of the group's ranks, zero's and
+# fsdp's reduced slices, after the hybrid AllReduce where there is one) each result's
+# cross-group AllReduce is chained on the reduction that makes it (collectives.py
+# `chain`: launched from the continuation thread once the result is in, in launch order,
+# the same order in every group), weighted by slots / N in place. Backward's end waits
+# for both; `reduce` then sends only the loss, the correct count and the has-gradient
+# flags. Elsewhere (bf16 or int8 reductions, ddp's expert buckets) `reduce` sends the
+# gradients after backward, as one flat fp32 AllReduce. Nothing else launches on the
+# Manager's process group while backward runs: the quorum comes before it and the
+# figures after its end.
 
 
 class _Across:

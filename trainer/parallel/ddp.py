@@ -131,7 +131,7 @@ class DDPEngine(Engine):
         self._separate_grads = mp.mixed or not self._views  # masters get their own .grad
         # Sent across replica groups bucket by bucket where every bucket holds fp32
         # gradients reduced over all ranks ([Note: across replica groups during backward])
-        self._across_ok = not mp.reduce_int8 and all(
+        self.across_ok = not mp.reduce_int8 and all(
             b.buffer.dtype == torch.float32 and b.group is None for b in self.buckets
         )
         names = {id(p): n for n, p in named}
@@ -183,7 +183,7 @@ class DDPEngine(Engine):
             )  # fmt: skip
         else:
             b.handle = comm.all_reduce(b.buffer, average=True, tag=tag, group=b.group)
-        across = self.across if self._across_ok else None
+        across = self.across_now()
         if across is not None:  # then across the groups, as soon as the group's mean is in
             b.handle = comm.chain(b.handle, lambda: across.send(b.grad))
 
@@ -197,7 +197,7 @@ class DDPEngine(Engine):
         # collectives.
         self._queue.launch(force=True)
         self._queue.reset()
-        across = self.across if self._across_ok else None
+        across = self.across_now()
         with across.waiting() if across is not None else nullcontext():
             for b in self.buckets:
                 b.handle.wait()

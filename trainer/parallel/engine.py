@@ -99,6 +99,11 @@ class Engine(ABC):
         # that step's gradients went across during backward.
         self.across: Any = None
         self.sent_across = False
+        self.across_ok = False  # whether this mode's reduction can carry `across`
+
+    def across_now(self) -> Any:
+        """The step's `across` where this engine's reduction carries it, else None."""
+        return self.across if self.across_ok else None
 
     # -- forward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -152,7 +152,10 @@ class FSDPEngine(Engine):
                 again[key] = comm_groups.gather_group(m.shard, "again")
         for buf in self._buffers():
             buf.gather_group, buf.again_group = gather[id(buf.mesh)], again.get(id(buf.mesh))
-        self._reducer = Reducer(self._used)
+        self._reducer = Reducer(self._used, self.across_now)
+        # [Note: across replica groups during backward]: fp32 slices, sent as they come
+        mp = self.precision
+        self.across_ok = not mp.reduce_int8 and mp.reduce_dtype == torch.float32
         self._local_grads = LocalGrads()  # full gradients until reduced; no_sync's sums
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
@@ -423,6 +426,7 @@ class FSDPEngine(Engine):
             self._reduce(self.root)
         flags = self._reducer.finish()
         if self._sync:
+            self.sent_across = self.across_now() is not None
             if self._flags_buffer is None and self.world_size > 1:  # no root buffer to ride on
                 flags = self._flags_alone()
             unused = self._used.unused_everywhere(flags)

@@ -20,7 +20,8 @@ Reducing a buffer's gradients, the same in both modes (`Reducer`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -181,8 +182,11 @@ class Reducer:
     earlier too ([Note: buckets in order] in buckets.py, [Note: one collective order on
     every rank] in schedule.py)."""
 
-    def __init__(self, used: UsedFlags):
+    def __init__(self, used: UsedFlags, across: Callable[[], Any] = lambda: None):
         self.used = used
+        # the engine's `across_now`: each result is sent across replica groups once it is
+        # in ([Note: across replica groups during backward] in comm/replicas.py)
+        self.across = across
         self.in_flight: list[ShardedBuffer] = []
         self.pending: list[ShardedBuffer] = []  # inputs freed, results not yet taken
 
@@ -226,6 +230,10 @@ class Reducer:
             )  # fmt: skip
         elif b.mesh.replicate is not None:
             b.handle = comm.all_reduce(b.reduced, average=True, tag=b.tag, group=b.mesh.replicate)
+        across = self.across()
+        if across is not None:  # then across replica groups, once the slice's mean is in
+            first = b.handle if b.handle is not None else comm.Handle(None)
+            b.handle = comm.chain(first, lambda: across.send(b.reduced[: b.shard_numel]))
         self.pending.append(b)
 
     def finish(self) -> torch.Tensor | None:
@@ -234,10 +242,13 @@ class Reducer:
         or None when no buffer carried them."""
         self.release_beyond(0)
         flags = None
+        across = self.across()
+        with across.waiting() if across is not None else nullcontext():
+            for b in self.pending:
+                if b.handle is not None:
+                    b.handle.wait()
         while self.pending:
             b = self.pending.pop(0)
-            if b.handle is not None:
-                b.handle.wait()
             reduced = b.reduced[: b.shard_numel].float()  # no copy when already fp32
             if b.n_flags:
                 flags = b.reduced[b.shard_numel :]

@@ -110,7 +110,10 @@ class ZeroEngine(Engine):
         if self.precision.mixed:  # buffers and frozen parameters; bucketed ones are cast
             self.frozen.cast(self.module, self.precision.param_dtype)
         self._queue = BucketQueue(self.buckets, names, self._launch, self.name)
-        self._reducer = Reducer(self._used)
+        self._reducer = Reducer(self._used, self.across_now)
+        # [Note: across replica groups during backward]: fp32 slices, sent as they come
+        mp = self.precision
+        self.across_ok = not mp.reduce_int8 and mp.reduce_dtype == torch.float32
         self._local_grads = LocalGrads()  # full gradients until reduced; no_sync's sums
         for b in self.buckets:
             for p in b.params:
@@ -147,6 +150,7 @@ class ZeroEngine(Engine):
         self._queue.launch(force=True)
         self._queue.reset()
         unused = self._used.unused_everywhere(self._reducer.finish())
+        self.sent_across = self.across_now() is not None
         for b in self.buckets:
             b.hand_out(unused)
 
