@@ -100,6 +100,8 @@ def validate(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(f"comm.latency_us={_show(latency)} must be a number >= 0")
     _validate_precision(cfg)
     _validate_ranges(cfg)
+    _validate_mix(cfg)
+    _validate_doc_mask(cfg)
     if cfg.mode.get("offload") is not None and cfg.ckpt.get("async"):
         where = (
             "which offload=disk keeps it out of; use ckpt.async=false (the save streams the "
@@ -253,6 +255,40 @@ def _validate_semi_sync(ft: DictConfig) -> None:
     m = ft.outer_momentum
     if not isinstance(m, int | float) or isinstance(m, bool) or not 0 <= m < 1:
         raise ConfigError(f"ft.outer_momentum={_show(m)} must be in [0, 1) (Nesterov)")
+
+
+def _validate_doc_mask(cfg: DictConfig) -> None:
+    """data.doc_mask ([Note: document starts] in trainer/data/tokens.py): a bool, and a
+    model whose forward takes the windows' documents (GPT's `takes_documents`), which
+    would otherwise be ignored or fail at the first forward."""
+    doc_mask = cfg.data.get("doc_mask", False)
+    if not isinstance(doc_mask, bool):
+        raise ConfigError(f"data.doc_mask={_typed_as_given(doc_mask)} must be true or false")
+    if not doc_mask:
+        return
+    from hydra.utils import get_object
+
+    target = cfg.model.get("_target_")
+    try:
+        model = get_object(target) if target else None
+    except Exception:  # an unknown target: its build names it
+        return
+    if not getattr(model, "takes_documents", False):
+        raise ConfigError(
+            f"data.doc_mask=true needs a model that takes document boundaries: model=gpt, "
+            f"nanogpt or gpt_moe ({target} does not); or set data.doc_mask=false"
+        )
+
+
+def _validate_mix(cfg: DictConfig) -> None:
+    """data.mix (trainer/data/mix.py): a list of existing directories, each once, with
+    positive weights, and no data.dir, data.path or data.val_path beside it; one line
+    naming the first bad value."""
+    if cfg.data.get("mix") is None:
+        return
+    from trainer.data.mix import check_mix
+
+    check_mix(cfg.data.mix, {k: cfg.data.get(k) for k in ("dir", "path", "val_path")})
 
 
 def _whole(name: str, value: Any, minimum: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
@@ -295,14 +296,24 @@ def make_eval_loader(
     rank: int,
     world_size: int,
     max_batches: int | None = None,
-) -> DataLoader:
+) -> DataLoader | EvalParts:
     """This rank's share of a held-out set, in order, once through.
 
     The set (or its first `max_batches` global batches) is cut into P equal contiguous
     slices, rank r taking the r-th, in batches of global_batch / P. Up to P-1 samples
     left over are not evaluated: every rank must run the same number of forwards, since
-    in fsdp a forward is a collective.
+    in fsdp a forward is a collective. A dataset in weighted parts (`parts()`: a mix of
+    token directories, trainer/data/mix.py) gives EvalParts, each part cut so.
     """
+    if hasattr(dataset, "parts"):
+        parts = []
+        for name, weight, part in dataset.parts():
+            try:
+                loader = make_eval_loader(part, global_batch, rank, world_size, max_batches)
+            except ConfigError as e:
+                raise ConfigError(f"{name}: {e}") from None
+            parts.append((name, weight, loader))
+        return EvalParts(parts)
     local = global_batch // world_size
     per_rank = len(dataset) // world_size
     if max_batches is not None:
@@ -320,15 +331,35 @@ def make_eval_loader(
     )
 
 
+class EvalParts:
+    """A held-out set in named, weighted parts, each a loader of this rank's batches:
+    `evaluate` (trainer/observe/metrics.py) reports each part and their weighted mean
+    ([Note: held-out figures of a mix] in trainer/data/mix.py)."""
+
+    def __init__(self, parts: list[tuple[str, float, DataLoader]]) -> None:
+        self.parts = parts
+
+
+def sampler_figures(sampler: Any, steps: int) -> dict[str, float]:
+    """What the sampler tells of the first `steps` global batches (a mix: the tokens of
+    each source, trainer/data/mix.py), to log; {} for a sampler that tells nothing."""
+    figures = getattr(sampler, "figures", None)
+    return figures(steps) if figures is not None else {}
+
+
 class LoaderBatches:
     """A step's batch from the DataLoader (or any iterable of batches), in order: what a
     run of one replica group takes (its sampler's position is the step's)."""
 
     def __init__(self, loader: Iterable[list[torch.Tensor]]) -> None:
         self.iterator = iter(loader)  # draws from the RNG: before a resume restores it
+        self.sampler = getattr(loader, "batch_sampler", None)
 
     def take(self, step: int, slots: Sequence[int]) -> list[torch.Tensor]:
         return next(self.iterator)
+
+    def figures(self, steps: int) -> dict[str, float]:
+        return sampler_figures(self.sampler, steps)
 
 
 class SlotBatches:
@@ -349,3 +380,6 @@ class SlotBatches:
         getitems = getattr(self.dataset, "__getitems__", None)
         samples = getitems(indices) if getitems else [self.dataset[i] for i in indices]
         return self.collate(samples)
+
+    def figures(self, steps: int) -> dict[str, float]:
+        return sampler_figures(self.sampler, steps)

@@ -12,7 +12,9 @@ Formats, told apart per file (`data.format=auto`) or named (`raw`, `llmc`, `npy`
   read as headerless it would train on its header.
 - npy: a 1-D integer `.npy` array (build-nanogpt's shards).
 
-Several files (`data.path` as a glob) read as one stream, in sorted order.
+Several files (`data.path` as a glob) read as one stream, in sorted order. With
+`doc_mask`, each file's document starts are read from `X.docs.npy` beside it and every
+window comes with its documents ([Note: document starts]).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.utils.data import Dataset, Sampler
 
 from trainer.data.text import read_tokenizer_file
 from trainer.errors import ConfigError, NotResumable
+from trainer.models.loss import IGNORE_INDEX
 
 LLMC_MAGIC = {20240520: np.uint16, 20240801: np.uint32}  # llm.c's header magic -> token dtype
 LLMC_HEADER = 256  # int32 values before the tokens
@@ -47,6 +50,22 @@ TOKENIZERS = ("char", "bytes", "hf")  # what scripts/prepare_text.py writes
 # shards cut otherwise) draw the same windows, so they resume. An edit that no piece
 # touches is not seen; other data is.
 SAMPLE_PIECES, SAMPLE_TOKENS = 64, 64  # what the fingerprint reads ([Note: what the data is])
+DOCS_SUFFIX = ".docs.npy"  # X.bin's document starts: X.docs.npy ([Note: document starts])
+# [Note: document starts]
+# Beside each token file X.bin (X.npy, ...) `scripts/prepare_text.py` writes X.docs.npy: a
+# 1-D integer array, strictly ascending, of the offsets within that file's tokens (an
+# llm.c header not counted) of the first token of every document that starts in the
+# file; a document continued from the previous file has no entry at 0. The separator
+# (an end-of-text token) is the last token of the document before a start. With
+# `doc_mask=true` every window of T + 1 tokens yields, besides (inputs, targets):
+#   segments (T,) int64: the document of each input position within the window, 0 for
+#     the piece begun before the window (or at its first token), +1 at each later start;
+#   targets set to IGNORE_INDEX (-100) where the target token starts a document, so no
+#     position learns to guess the next document's first token from the last one
+#     ([Note: what the loss is averaged over] in trainer/models/loss.py).
+# The model keeps the documents apart ([Note: documents kept apart] in
+# trainer/models/builtin.py). The arrays are read through mmap, checked whole once (a
+# chunk at a time) when the data is opened; a window reads the few entries it spans.
 
 
 def open_tokens(path: Path, fmt: str = "auto", dtype: str | None = None) -> np.ndarray:
@@ -184,6 +203,43 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"holds an object of {module}.{name}; only plain data is read")
 
 
+def open_docs(token_file: Path, count: int, chunk: int = 1 << 22) -> np.ndarray:
+    """The document starts of `token_file` (which holds `count` tokens), from its
+    X.docs.npy as a read-only memmap, checked ([Note: document starts])."""
+    path = token_file.with_suffix(DOCS_SUFFIX)
+    if not path.is_file():
+        raise ConfigError(
+            f"data.doc_mask=true: {path}, the document starts of {token_file.name}, does not "
+            "exist; re-prepare the data with scripts/prepare_text.py, or set data.doc_mask=false"
+        )
+    try:
+        docs = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ConfigError(f"{path} is not a .npy array: {e}") from None
+    if docs.ndim != 1 or docs.dtype.kind not in "iu":
+        raise ConfigError(
+            f"{path} holds a {docs.dtype} array of shape {docs.shape}; the document starts "
+            "are a 1-D integer array; re-prepare the data with scripts/prepare_text.py"
+        )
+    for lo in range(0, len(docs), chunk):
+        piece = docs[max(lo - 1, 0) : lo + chunk].astype(np.int64)  # one entry of overlap
+        if (outside := (piece < 0) | (piece >= count)).any():
+            i = max(lo - 1, 0) + int(outside.argmax())
+            raise ConfigError(
+                f"{path}: offset {int(docs[i])} at index {i} is outside {token_file.name}'s "
+                f"{count} tokens (0..{count - 1}); re-prepare the data with "
+                "scripts/prepare_text.py"
+            )
+        if (back := np.diff(piece) <= 0).any():
+            i = max(lo - 1, 0) + int(back.argmax()) + 1
+            raise ConfigError(
+                f"{path}: offset {int(docs[i])} at index {i} follows {int(docs[i - 1])}; the "
+                "document starts must be strictly ascending; re-prepare the data with "
+                "scripts/prepare_text.py"
+            )
+    return docs
+
+
 def max_token(arrays: list[np.ndarray], chunk: int = 1 << 24) -> int:
     """The largest id over every array, read a chunk at a time."""
     return max(int(a[i : i + chunk].max()) for a in arrays for i in range(0, len(a), chunk))
@@ -191,8 +247,10 @@ def max_token(arrays: list[np.ndarray], chunk: int = 1 << 24) -> int:
 
 class TokenData(Dataset):
     """Windows of `block_size + 1` tokens of a token stream, as (inputs, targets), each of
-    shape (T,), int64. Training item i starts at token i (the sampler picks the starts,
-    [Note: windows drawn from the step]); evaluation item i at token i * (T + 1).
+    shape (T,), int64; with `doc_mask`, (inputs, targets, segments), the targets that
+    start a document ignored ([Note: document starts]). Training item i starts at token i
+    (the sampler picks the starts, [Note: windows drawn from the step]); evaluation item
+    i at token i * (T + 1).
 
     `dir`: a directory with train.bin / val.bin (and meta.json or meta.pkl); or `path`: a
     file or a glob of shards for training and `val_path` for evaluation. `block_size`
@@ -208,8 +266,11 @@ class TokenData(Dataset):
         vocab_size: int | None = None,
         dtype: str | None = None,
         format: str = "auto",
+        doc_mask: bool = False,
         train: bool = True,
     ) -> None:
+        if not isinstance(doc_mask, bool):
+            raise ConfigError(f"data.doc_mask={doc_mask!r} must be true or false")
         if format not in FORMATS:
             raise ConfigError(f"data.format={format} is not one of {', '.join(FORMATS)}")
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
@@ -225,7 +286,17 @@ class TokenData(Dataset):
                 f"data.dtype={dtype} does not match {self.meta['source']}'s dtype {meta_dtype}"
             )
         self.files = files
+        if named := [f.name for f in files if f.name.endswith(DOCS_SUFFIX)]:
+            raise ConfigError(  # X.docs.npy read as tokens would train on offsets
+                f"{named[0]} holds document starts, not tokens, yet the token files include "
+                f"it ({len(named)} such); give data.path a glob that matches the token "
+                "files only (e.g. 'shard_*[0-9].npy')"
+            )
         self.arrays = [open_tokens(f, format, dtype or meta_dtype) for f in files]
+        # each file's document starts ([Note: document starts]); None: not read
+        self.docs = None
+        if doc_mask:
+            self.docs = [open_docs(f, len(a)) for f, a in zip(files, self.arrays, strict=True)]
         self.ends = np.cumsum([len(a) for a in self.arrays])  # (files,) token counts, summed
         self.train = train
         self.block_size = block_size
@@ -264,11 +335,31 @@ class TokenData(Dataset):
         w = self._window()
         return self.tokens - w + 1 if self.train else self.tokens // w
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         w = self._window()
         start = i if self.train else i * w
         seq = torch.from_numpy(self.read(start, w).astype(np.int64))  # (T+1,)
-        return seq[:-1], seq[1:]
+        if self.docs is None:
+            return seq[:-1], seq[1:]
+        # [Note: document starts]: starts at window offsets 1..T (one at 0 changes nothing)
+        starts = torch.zeros(w, dtype=torch.bool)  # (T+1,)
+        starts[torch.from_numpy(self.doc_starts(start + 1, w - 1) - start)] = True
+        segments = starts[:-1].cumsum(0)  # (T,) int64: starts at offsets 1..t
+        targets = seq[1:].masked_fill(starts[1:], IGNORE_INDEX)  # (T,)
+        return seq[:-1], targets, segments
+
+    def doc_starts(self, start: int, n: int) -> np.ndarray:
+        """The stream offsets of the documents that start in tokens [start, start + n),
+        ascending, int64, across file boundaries (`doc_mask` only)."""
+        out, f = [], int(np.searchsorted(self.ends, start, side="right"))
+        while n > 0:
+            base = int(self.ends[f - 1]) if f else 0
+            lo, hi = start - base, min(start - base + n, len(self.arrays[f]))
+            docs = self.docs[f]
+            a, b = np.searchsorted(docs, lo), np.searchsorted(docs, hi)
+            out.append(np.asarray(docs[a:b], dtype=np.int64) + base)
+            start, n, f = start + hi - lo, n - (hi - lo), f + 1
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n) of the stream, across file boundaries."""
@@ -413,6 +504,14 @@ class WindowSampler(Sampler[list[int]]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state`'s position; refuses (NotResumable) another token stream
         ([Note: what the data is]) or another cutting of it into batches."""
+        if "shares" in state:  # a MixSampler's (trainer/data/mix.py): several streams
+            here = _files_named(self.data) if self.data else f"{self.tokens:,} tokens"
+            raise NotResumable(
+                f"the checkpoint was trained on a data.mix of {len(state['shares'])} token "
+                f"directories, not on the token data {here}: the data order would not "
+                "continue; resume with that data.mix, or start a fresh run in a new "
+                "hydra.run.dir (without resume)"
+            )
         theirs, mine = state.get("data"), self.data
         content = ("tokens", "fingerprint")  # not the files: [Note: what the data is]
         if theirs is not None and mine is not None:  # (a state saved before: no data)

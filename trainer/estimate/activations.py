@@ -83,13 +83,14 @@ class Activations:
 
 def measure_passes(
     build: Callable[[], nn.Module],
-    sample: tuple[torch.Tensor, torch.Tensor],
+    sample: tuple[torch.Tensor, ...],
     micro_batches: list[int],
     precision: Precision,
 ) -> list[Activations]:
     """One forward and backward of each micro-batch size, with samples shaped like
-    `sample` (x, y), through the model `build()` makes, in fake tensors."""
-    x0, y0 = sample
+    `sample` (x, y, *extra: what the model takes beside x, e.g. data.doc_mask's document
+    segments), through the model `build()` makes, in fake tensors."""
+    x0, y0, *extra0 = sample
     with FakeTensorMode(), balanced_routing():
         model = build()
         if precision.mixed:
@@ -104,11 +105,12 @@ def measure_passes(
         for b in micro_batches:
             x = torch.empty((b, *x0.shape), dtype=x0.dtype)
             y = torch.empty((b, *y0.shape), dtype=y0.dtype)
-            known = [*model.parameters(), *model.buffers(), x, y]
+            extra = [torch.zeros((b, *e.shape), dtype=e.dtype) for e in extra0]
+            known = [*model.parameters(), *model.buffers(), x, y, *extra]
             with LiveBytes(known) as live:
                 (inputs,) = precision.cast_in((x,))
                 del calls[:]
-                loss = loss_fn(precision.cast_out(model(inputs)), y)
+                loss = loss_fn(precision.cast_out(model(inputs, *extra)), y)
                 aux = model_hooks(model).extra_loss()  # (), as the loop adds it
                 loss = loss if aux is None else loss + aux
                 saved, forward = live.live, tuple(calls)

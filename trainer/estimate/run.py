@@ -308,8 +308,9 @@ def _build(cfg: DictConfig, **kwargs: Any) -> torch.nn.Module:
         raise
 
 
-def sample_of(cfg: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample 0 of the configured dataset, for its shapes (a synthetic one made with n=1)."""
+def sample_of(cfg: DictConfig) -> tuple[torch.Tensor, ...]:
+    """Sample 0 of the configured dataset, for its shapes (a synthetic one made with n=1):
+    (x, y), and what else a sample holds for the model (data.doc_mask's segments)."""
     dataset = cfg.data.dataset
     try:
         data = instantiate(dataset, **({"n": 1} if "n" in dataset else {}))
@@ -317,8 +318,7 @@ def sample_of(cfg: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(e.__cause__, ConfigError):  # files missing: one line from trainer/data/
             raise e.__cause__ from None
         raise
-    x, y = data[0]
-    return torch.as_tensor(x), torch.as_tensor(y)
+    return tuple(torch.as_tensor(t) for t in data[0])
 
 
 def _passes(

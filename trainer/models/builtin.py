@@ -166,6 +166,38 @@ class SmallCNN(nn.Module):
 # --------------------------------------------------------------------------------------
 # GPT: a small nanoGPT-style decoder, paired with trainer.data.datasets.synthetic_tokens.
 
+# [Note: documents kept apart]
+# With `data.doc_mask=true` token data hands the model, besides the ids, each position's
+# document within its window: `segments` (B, T) int64, 0 for the piece that began before
+# the window, +1 at each document start (trainer/data/tokens.py). GPT then runs every
+# document as if it were alone: a query attends the keys of its own document only, up to
+# itself (`document_mask`: causal AND same document), and positions restart at 0 at each
+# document's first token (the piece begun before the window starts at 0 too: the model
+# never sees where a document began outside its window). So each document's logits are
+# those of the model run on that document alone, up to the order of floating-point sums
+# (tests/test_doc_mask.py): a masked key's weight is exp(-inf) = 0 exactly, and its value
+# adds an exact 0. A document is a run of equal ids; `segments` None is plain causal
+# attention over positions 0..T-1, unchanged. The mask is (B, 1, T, T) booleans, built once
+# per forward and shared by every head and layer. A causal kernel skips the blocks above
+# the diagonal, a masked one computes every block (and on CUDA a mask rules out the flash
+# kernel), so a masked step costs more: scripts/benchmarks/bench_doc_mask.py measures it
+# (docs/own_text.md, "Documents kept apart").
+
+
+def document_mask(segments: Tensor) -> tuple[Tensor, Tensor]:
+    """For `segments` (B, T) (the document of each position, a run of equal ids per
+    document): position ids (B, T) that restart at 0 at each document's first token, and
+    the attention mask (B, 1, T, T) bool, True where query t may attend key s: the same
+    document and s <= t ([Note: documents kept apart])."""
+    B, T = segments.shape
+    t = torch.arange(T, device=segments.device)  # (T,)
+    first = torch.ones_like(segments, dtype=torch.bool)  # (B, T) a document's first token
+    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    start = torch.where(first, t, 0).cummax(dim=1).values  # (B, T) where t's document starts
+    keys = t.view(1, 1, T)
+    mask = (keys >= start.unsqueeze(2)) & (keys <= t.view(1, T, 1))  # (B, T, T)
+    return t - start, mask.unsqueeze(1)
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, bias: bool = True) -> None:
@@ -177,12 +209,17 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """`mask` (B, 1, T, T) bool, True where a query may attend a key (`document_mask`);
+        None: every earlier position (plain causal attention)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # (B, T, C) -> (B, nh, T, hs): each head attends independently.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:  # a masked-out key gets exp(-inf) = 0 exactly: [Note: documents kept apart]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.c_proj(y)
 
@@ -209,8 +246,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = FeedForward(n_embd, bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), mask)  # (B, T, C)
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
         return x
 
@@ -225,6 +262,10 @@ class GPT(nn.Module):
     with `tie_weights=True` it is nanoGPT's architecture, with half as many tensors for
     the optimizer to step (conf/model/nanogpt.yaml).
     """
+
+    # forward(idx, segments) keeps documents apart ([Note: documents kept apart]): what
+    # data.doc_mask=true needs of a model (trainer/config/checks.py asks for it)
+    takes_documents = True
 
     def __init__(
         self,
@@ -289,22 +330,29 @@ class GPT(nn.Module):
             std = 0.02 / math.sqrt(2 * len(self.blocks))
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, segments: Tensor | None = None) -> Tensor:
+        """Logits (B, T, vocab_size) of `idx` (B, T); `segments` (B, T): each position's
+        document, kept apart from the others ([Note: documents kept apart])."""
         B, T = idx.shape
         if T > self.block_size:
             raise ConfigError(
                 f"sequence length {T} is longer than GPT block_size {self.block_size}"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) broadcast
+        mask = None
+        if segments is None:
+            pos = torch.arange(T, device=idx.device)  # (T,)
+        else:
+            pos, mask = document_mask(segments)  # (B, T), (B, 1, T, T)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) or (B, T, C)
         for block in self.blocks:
-            x = self._run_block(block, x)  # (B, T, C)
+            x = self._run_block(block, x, mask)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
 
-    def _run_block(self, block: nn.Module, x: Tensor) -> Tensor:
+    def _run_block(self, block: nn.Module, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """One block's output (B, T, C), recomputed in backward with activation
-        checkpointing."""
-        return checkpointed(block, x) if self.activation_checkpointing else block(x)
+        checkpointing. `mask`: document_mask's, or None (causal)."""
+        args = (x,) if mask is None else (x, mask)  # a causal block is called as always
+        return checkpointed(block, *args) if self.activation_checkpointing else block(*args)
 
 
 # --------------------------------------------------------------------------------------
@@ -417,8 +465,8 @@ class MoEBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd)
         self.moe = MoE(n_embd, num_experts, top_k, 4 * n_embd, bias_update_speed)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        x = x + self.attn(self.ln_1(x), mask)  # (B, T, C)
         y, aux = self.moe(self.ln_2(x))
         return x + y, aux  # (B, T, C), ()
 
@@ -475,9 +523,9 @@ class GPTMoE(GPT):
             module.reset_parameters()
         super().init_module(module)
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, segments: Tensor | None = None) -> Tensor:
         self._aux = torch.zeros((), device=idx.device)  # summed by _run_block
-        logits = super().forward(idx)  # (B, T, vocab_size)
+        logits = super().forward(idx, segments)  # (B, T, vocab_size)
         self.aux_loss = self.aux_loss_coef * self._aux
         return logits
 
@@ -515,8 +563,8 @@ class GPTMoE(GPT):
             )
         return out
 
-    def _run_block(self, block: nn.Module, x: Tensor) -> Tensor:
-        out = super()._run_block(block, x)
+    def _run_block(self, block: nn.Module, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        out = super()._run_block(block, x, mask)
         if isinstance(block, MoEBlock):  # (B, T, C) and its load-balancing loss ()
             out, aux = out
             self._aux = self._aux + aux

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from trainer import comm
-from trainer.models.builtin import accuracy, loss_fn
+from trainer.models.loss import correct_count, loss_fn, trained_count
 from trainer.observe import host
 from trainer.observe.memory import MemoryMonitor, bandwidth
 from trainer.observe.tb_layout import run_layout
@@ -218,40 +218,62 @@ class IntervalMetrics:
 
 
 def evaluate(
-    engine: Any, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    engine: Any, batches: Iterable[tuple[torch.Tensor, ...]], device: torch.device
 ) -> dict[str, float] | None:
     """Loss and accuracy on held-out `batches` (this rank's share), reduced to rank 0.
+    A batch is (inputs, targets, *extra), the model called as `engine(inputs, *extra)`;
+    the figures are per trained target, ignored ones left out ([Note: what the loss is
+    averaged over] in trainer/models/loss.py).
 
     Every rank calls it with the same number of batches (fsdp's forward gathers units).
     The model runs in eval mode under no_grad (BatchNorm uses its running statistics);
     the engine goes back to training mode after. One Reduce; its traffic and the eval
     forwards' stay out of the training communication figures. Rank 0 gets `eval/loss`
     and `eval/accuracy` (and `eval/perplexity` for token targets), the other ranks None.
+    `batches` in named parts (`parts`: datasets.EvalParts) also gives `eval/loss/<name>`
+    for each, and eval/loss and eval/accuracy are the parts' figures weighted.
     """
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    sequences = False
+    # named, weighted parts: a mix of token directories ([Note: held-out figures of a mix]
+    # in trainer/data/mix.py); else one part
+    parts = getattr(batches, "parts", None) or [(None, 1.0, batches)]
+    table = torch.zeros(len(parts), 3, dtype=torch.float64, device=device)  # (parts, 3):
+    sequences = False  # each part's loss sum, correct count, target count
     engine.eval()
     try:
         with torch.no_grad(), comm.unaccounted():
-            for inputs, targets in batches:
-                inputs = inputs.to(device, non_blocking=True)
-                targets = targets.to(device, non_blocking=True)
-                logits = engine(inputs)
-                n = targets.numel()
+            for sums, batch in _part_batches(table, parts):  # sums: the batch's part's row
+                inputs, targets, *extra = (t.to(device, non_blocking=True) for t in batch)
+                logits = engine(inputs, *extra)
+                n = trained_count(targets)  # on the device: no host read per batch
                 sums[0] += loss_fn(logits, targets).double() * n
-                sums[1] += accuracy(logits, targets).double() * n
+                sums[1] += correct_count(logits, targets)
                 sums[2] += n
                 sequences = targets.dim() > 1  # (B, T) targets: tokens
-            comm.reduce(sums, dst=0, tag="eval").wait()
+            comm.reduce(table, dst=0, tag="eval").wait()
     finally:
         engine.train()
     if comm.rank() != 0:
         return None
-    loss_sum, correct, count = sums.tolist()
-    out = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+    rows, weights = table.tolist(), [weight for _, weight, _ in parts]
+    # each part's mean, weighted (one part: its own, exactly)
+    loss = sum(w * r[0] / r[2] for w, r in zip(weights, rows, strict=True)) / sum(weights)
+    correct = sum(w * r[1] / r[2] for w, r in zip(weights, rows, strict=True)) / sum(weights)
+    out = {"eval/loss": loss, "eval/accuracy": correct}
+    for (name, _, _), (loss_sum, _, count) in zip(parts, rows, strict=True):
+        if name is not None:
+            out[f"eval/loss/{name}"] = loss_sum / count
     if sequences:  # a language model's: the exponential of the mean loss per token
         out["eval/perplexity"] = math.exp(min(out["eval/loss"], 700.0))
     return out
+
+
+def _part_batches(
+    table: torch.Tensor, parts: list[tuple[Any, float, Iterable]]
+) -> Iterator[tuple[torch.Tensor, Any]]:
+    """(the part's row of `table`, a batch) for every batch of every part, in order."""
+    for row, (_, _, batches) in zip(table, parts, strict=True):
+        for batch in batches:
+            yield row, batch
 
 
 # Dense peak FLOP/s of one device by name (vendor data sheets, no sparsity), by the dtype

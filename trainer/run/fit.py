@@ -32,7 +32,7 @@ def check_fit(
     target within the model's outputs; ConfigError otherwise. `model` may be an engine
     (a model built on meta has no values before it): then every rank must call it."""
     what = f"model={model_name} does not fit data={data_name}"
-    x, y = dataset[0]
+    x, y, *extra = dataset[0]  # extra: what the model takes besides x (segments)
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -47,7 +47,7 @@ def check_fit(
                     f"{size} (the data's vocabulary size: {vocab}); set model.vocab_size "
                     f"to at least {top + 1}"
                 )
-        out = model(x.unsqueeze(0).to(device))  # (1, C) or (1, T, V)
+        out = model(*(t.unsqueeze(0).to(device) for t in (x, *extra)))  # (1, C) or (1, T, V)
         targets = _targets(dataset)
         top = int(targets.max()) if targets is not None else int(y.max())
         if top >= out.shape[-1]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,9 +320,10 @@ def train_step(run: Run, step: int) -> int:
         plan = replicas.start_step(step)  # a heal loads a peer's state in here
         step = plan.step
         batch = run.batches.take(step, plan.slots)
-        inputs, targets = (t.to(run.env.device, non_blocking=True) for t in batch)
+        # (inputs, targets, *extra): extra is what the model takes besides the inputs
+        inputs, targets, *extra = (t.to(run.env.device, non_blocking=True) for t in batch)
         loss, correct = forward_backward(
-            engine, inputs, targets, every.grad_accum_steps * len(plan.slots), run.hooks
+            engine, inputs, targets, every.grad_accum_steps * len(plan.slots), run.hooks, extra
         )
         loss, correct = replicas.reduce(engine, loss, correct, len(plan.slots))
         if replicas.commit(step):
@@ -443,6 +445,7 @@ def log_metrics(run: Run, step: int) -> None:
     scaler = run.engine.scaler
     latest = {"train/lr": run.lr}  # device values too: read with the metrics, at once
     latest.update(run.replicas.figures())  # ft/wait_ms_per_step: rank 0's
+    latest.update(run.batches.figures(step))  # the data's own (a mix: tokens per source)
     if scaler.enabled:
         latest.update({"train/loss_scale": scaler.scale, "train/overflow_steps": scaler.skipped})
     figures = run.hooks.figures()  # the model's own (device values), mean over ranks
@@ -560,26 +563,31 @@ def forward_backward(
     targets: torch.Tensor,
     micro_batches: int,
     hooks: ModelHooks | None = None,
+    extra: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of this rank's batch, cut into `micro_batches` equal pieces.
 
     All but the last run under `engine.no_sync()`, entered before their forward: their
     gradients accumulate locally and the last backward communicates the sum, once. Each
     piece's loss is divided by their number, so the gradients equal those of the whole
-    batch at once. The model's extra loss, if it has one (`hooks`, by default looked up
-    on engine.module: [Note: model hooks]), is added to each piece's loss. Returns the
-    batch's mean loss and number of correct predictions.
+    batch at once (where targets are ignored, of the mean of the pieces' means: [Note:
+    what the loss is averaged over] in models/loss.py). `extra`: tensors of the batch the
+    model takes after the inputs (token data's segments), cut alike: `engine(x, *extra)`.
+    The model's extra loss, if it has one (`hooks`, by default looked up on
+    engine.module: [Note: model hooks]), is added to each piece's loss. Returns the
+    batch's mean loss and number of correct predictions (accuracy x piece size, summed).
     """
     hooks = model_hooks(engine.module) if hooks is None else hooks
     loss_sum = correct = torch.zeros((), device=inputs.device)
-    pieces = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
-    for i, (x, y) in enumerate(pieces):
+    cut = [t.chunk(micro_batches) for t in (inputs, targets, *extra)]
+    pieces = list(zip(*cut, strict=True))
+    for i, (x, y, *more) in enumerate(pieces):
         with engine.no_sync() if i < len(pieces) - 1 else nullcontext():
-            logits = engine(x)
+            logits = engine(x, *more)
             loss = loss_fn(logits, y)
-            extra = hooks.extra_loss()  # an MoE's load balancing, as the model asks
-            if extra is not None:
-                loss = loss + extra
+            aux = hooks.extra_loss()  # an MoE's load balancing, as the model asks
+            if aux is not None:
+                loss = loss + aux
             loss = loss / len(pieces)
             engine.backward(loss)
         loss_sum = loss_sum + loss.detach()
