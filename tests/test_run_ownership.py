@@ -188,6 +188,40 @@ def test_what_a_resume_may_change(change, refused):
         assert str(e.value).startswith(refused), str(e.value)
 
 
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ([], None),  # data.mix and data.doc_mask came later: unset, the same data
+        (["data.doc_mask=true"], "data.dataset={'_target_': 'trainer.data.tokens.TokenData'"),
+        (["data.dir=/elsewhere"], None),  # interpolated: the sampler's state checks the tokens
+    ],
+)
+def test_a_checkpoint_from_before_a_dataset_key_resumes(change, refused):
+    """A token-file checkpoint written before data.mix and data.doc_mask existed (its
+    dataset config lacks them, its target was TokenData) resumes while they are unset."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint.resume import NotResumable, refuse_changes
+    from trainer.config import schema  # noqa: F401  (registers the types conf/ names)
+
+    base = ["data=token_file", "model=gpt", "data.dir=/data"]
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        old = compose("config", overrides=base)
+        cfg = compose("config", overrides=[*base, *change])
+    OmegaConf.set_struct(old, False)
+    old.data.dataset._target_ = "trainer.data.tokens.TokenData"  # as it was then
+    for gained in ("mix", "doc_mask"):
+        del old.data.dataset[gained], old.data[gained]
+    meta = {"config": OmegaConf.to_yaml(old)}
+    if refused is None:
+        refuse_changes(cfg, Path("ckpt"), meta)
+    else:
+        with pytest.raises(NotResumable) as e:
+            refuse_changes(cfg, Path("ckpt"), meta)
+        assert str(e.value).startswith(refused), str(e.value)
+
+
 # ---------------------------------------------------------------------------------------
 # SIGTERM under torchrun
 

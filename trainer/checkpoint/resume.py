@@ -186,6 +186,10 @@ _FIXED_ON_RESUME = {
     ),
 }
 _WHERE_KEYS = ("root", "download")
+# [Note: keys a dataset gained]: a checkpoint written before a dataset's config gained a
+# key (data.mix, data.doc_mask) resumes where this run leaves that key at None or False,
+# which reads the data as before; a target renamed since compares under its old name.
+_RENAMED_TARGETS = {"trainer.data.mix.token_data": "trainer.data.tokens.TokenData"}
 # Keys a resumed run may change; one line names those that differ.
 _TAKEN_ON_RESUME = ("optim", "train.steps", "train.grad_accum_steps")
 
@@ -198,8 +202,10 @@ def refuse_changes(cfg: DictConfig, path: Path, meta: dict[str, Any]) -> None:
     for key, why in _FIXED_ON_RESUME.items():
         mine, theirs = _plain(OmegaConf.select(cfg, key)), _plain(OmegaConf.select(saved, key))
         if isinstance(mine, dict) and isinstance(theirs, dict):
-            mine = {k: v for k, v in mine.items() if k not in _WHERE_KEYS}
-            theirs = {k: v for k, v in theirs.items() if k not in _WHERE_KEYS}
+            mine, theirs = (
+                _comparable(cfg, key, mine, theirs),
+                _comparable(saved, key, theirs, mine),
+            )
         if mine != theirs:
             raise NotResumable(
                 f"{key}={_show(mine)} differs from checkpoint {path}'s {key}={_show(theirs)}: "
@@ -224,6 +230,20 @@ def _say_changes(cfg: DictConfig, meta: dict[str, Any]) -> None:
         ]
     if changed:
         agree.say(f"resumed with values that differ from the checkpoint's: {', '.join(changed)}")
+
+
+def _comparable(cfg: DictConfig, key: str, node: dict, other: dict) -> dict:
+    """`node` (cfg's `key`) without where-keys, without keys `other` lacks that `cfg` sets
+    to None or False, its target under its old name ([Note: keys a dataset gained])."""
+    out = {
+        k: v
+        for k, v in node.items()
+        if k not in _WHERE_KEYS
+        and (k in other or OmegaConf.select(cfg, f"{key}.{k}") not in (None, False))
+    }
+    if out.get("_target_") in _RENAMED_TARGETS:
+        out["_target_"] = _RENAMED_TARGETS[out["_target_"]]
+    return out
 
 
 def _saved_config(cfg: DictConfig | None, meta: dict[str, Any]) -> DictConfig | None:
