@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tb_events import scalars
+from tb_events import layout, scalars
 from test_cli import run_cli
 
 from trainer.data.datasets import EvalParts, make_eval_loader, make_loader
@@ -199,6 +199,8 @@ def test_two_ranks_log_each_sources_tokens_and_resume_bitwise(tmp_path):
     weighted = 0.7 * final["eval/loss/web"] + 0.3 * final["eval/loss/code"]
     assert final["eval/loss"] == pytest.approx(weighted, rel=1e-12)
     assert [s for s, _ in logged["eval/loss/code"]] == [3, 6]
+    charts = dict(dict(layout(whole))["training"])  # in TensorBoard's Custom Scalars too
+    assert charts["tokens trained on, by mixed source"] == [r"^data/tokens/.+$"]
 
     # resumed from step 3 in another run directory: the same model, bitwise
     resumed = tmp_path / "resumed"

@@ -76,6 +76,9 @@ def _charts() -> dict[str, list[Chart]]:
             ("gradient norm", [r"^train/grad_norm$"]),
             ("fp16 loss scale", [r"^train/loss_scale$"]),
             ("model FLOPs utilisation, %", [r"^perf/mfu_pct$"]),
+            # data.mix (trainer/data/mix.py); each source's eval/loss/<name> comes after the
+            # first figures that choose the charts: in the Scalars tab
+            ("tokens trained on, by mixed source", [r"^data/tokens/.+$"]),
         ],
         MEMORY: memory,
         COMM: [
