@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.benchmarks.bench import report  # noqa: E402
 
 STEPS = 2000
 NANOGPT_ARGS = [  # the README's CPU command line, after config/train_shakespeare_char.py
@@ -369,12 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     result = run(args)
-    text = markdown(result)
-    print(text)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.md:
-        args.md.write_text(text)
+    report(result, markdown(result), args.out, args.md)
 
 
 if __name__ == "__main__":

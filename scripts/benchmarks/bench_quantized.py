@@ -23,7 +23,6 @@ per step, counted by trainer.comm (the packed bytes and scales for int8).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmarks.bench import launch, without_nproc  # noqa: E402
+from scripts.benchmarks.bench import launch, report, without_nproc  # noqa: E402
 from trainer import comm  # noqa: E402
 from trainer.models.builtin import MLP  # noqa: E402
 from trainer.parallel import build_engine  # noqa: E402
@@ -216,12 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(launch(__file__, args.nproc, without_nproc(argv)))
     result = run(args)
     if result:
-        text = markdown(result)
-        print(text)
-        if args.out:
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
-        if args.md:
-            args.md.write_text(text)
+        report(result, markdown(result), args.out, args.md)
 
 
 if __name__ == "__main__":

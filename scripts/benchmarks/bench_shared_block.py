@@ -31,7 +31,6 @@ the shared block, which autograd keeps between its calls' backwards in both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmarks.bench import launch, without_nproc  # noqa: E402
+from scripts.benchmarks.bench import launch, report, without_nproc  # noqa: E402
 from trainer import comm  # noqa: E402
 from trainer.observe.heap import heap_bytes  # noqa: E402
 
@@ -280,12 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(launch(__file__, args.nproc, without_nproc(argv)))
     result = run(args)
     if result:
-        text = markdown(result)
-        print(text)
-        if args.out:
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
-        if args.md:
-            args.md.write_text(text)
+        report(result, markdown(result), args.out, args.md)
 
 
 if __name__ == "__main__":
