@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import warm_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +157,61 @@ def test_bench_nanogpt_seeds_nanogpt_without_changing_it(tmp_path: Path) -> None
         initial, rest = out.stdout.split(" ", 1)
         assert int(initial) == want
         assert rest.startswith("['train.py', 'config/train_shakespeare_char.py', '--device=cpu'")
+
+
+def test_bench_prepare_harness(tmp_path: Path, monkeypatch) -> None:
+    """scripts/benchmarks/bench_prepare.py without nanoGPT or llm.c: the corpus is the same for
+    the same seed, its stand-in tiktoken gives the ids and end-of-text token of the tokenizer
+    it trains (pickled by name, as tiktoken's), the anchors' lines are changed only where
+    found once, tokens are counted through llm.c's header, and memory is summed over a
+    process tree (a parent and its child each holding 64 MiB)."""
+    import importlib.util
+    import pickle
+
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_prepare as bp
+
+    docs = bp.documents(30, words=20, seed=3)
+    assert docs == bp.documents(30, words=20, seed=3) and docs != bp.documents(30, 20, 4)
+    tok_dir = bp.train_tokenizer(docs, tmp_path / "tok", vocab=400)
+    monkeypatch.setenv("BENCH_PREPARE_TOKENIZER", str(tok_dir))
+    spec = importlib.util.spec_from_file_location(
+        "tiktoken_standin", bp.standins(tmp_path / "pins") / "tiktoken.py"
+    )
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    monkeypatch.setitem(sys.modules, "tiktoken_standin", standin)  # pickle finds it by name
+    enc, hf = standin.get_encoding("gpt2"), Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    for doc in docs:
+        assert enc.encode_ordinary(doc) == hf.encode(doc, add_special_tokens=False).ids
+    eot = hf.token_to_id("<|endoftext|>")
+    assert enc.eot_token == enc._special_tokens["<|endoftext|>"] == eot
+    assert enc.n_vocab == hf.get_vocab_size() == 400
+    assert pickle.loads(pickle.dumps(enc)) is enc
+
+    source = "num_proc = 8\nx = 1\nif 1:\n    total_batches = 1024\n"
+    want = "num_proc = 2\nx = 1\nif 1:\n    total_batches = min(1024, len(dset))\n"
+    assert bp.adapted(source, "nanogpt", 2, "p.py") == want
+    with pytest.raises(SystemExit, match="0 lines match"):
+        bp.adapted("nprocs = 4\n", "llmc", 2, "fineweb.py")
+
+    header = np.zeros(256, np.int32)
+    header[:3] = (20240520, 1, 5)
+    with open(tmp_path / "shard.bin", "wb") as f:
+        f.write(header.tobytes() + np.arange(5, dtype=np.uint16).tobytes())
+    np.arange(7, dtype=np.uint16).tofile(tmp_path / "plain.bin")
+    assert bp.tokens_in(tmp_path) == 12
+
+    hold = "import time; b = bytearray(64 << 20); b[::4096] = b'x' * (16 << 10); "
+    child = hold + "time.sleep(1.0)"
+    parent = f"import subprocess, sys; {hold}subprocess.run([sys.executable, '-c', {child!r}])"
+    got = bp.measured([sys.executable, "-c", parent], tmp_path, dict(os.environ), tmp_path / "l")
+    assert got["peak_pss"] >= 2 * 64 << 20  # both processes' buffers, summed
+    assert 64 << 20 <= got["largest_hwm"] < 2 * 64 << 20  # the largest single process
+    assert got["wall_s"] >= 1.0
 
 
 def test_no_user_tool_imports_a_benchmark() -> None:
