@@ -223,30 +223,22 @@ def prepare(
         )
     source = corpus.resolve(files, split)
     if source.kind == "text":
-        for option, value, default in (
-            ("--text-field", text_field, "text"),
-            ("--split", split, "train"),
-        ):
-            if value != default:
-                raise ConfigError(
-                    f"{option} {value} applies to records (parquet, JSON lines, dataset "
-                    "directories), not to text files; leave it out"
-                )
+        _refuse_options(
+            [("--text-field", text_field, "text"), ("--split", split, "train")],
+            "applies to records (parquet, JSON lines, dataset directories), not to text "
+            "files; leave it out",
+        )
         total = sum(f.stat().st_size for f in source.text_files)
         if total == 0:
             raise ConfigError(
                 f"the text files ({', '.join(map(str, source.text_files))}) are empty"
             )
     else:
-        for option, value, default in (
-            ("--encoding", encoding, "utf-8"),
-            ("--errors", errors, "strict"),
-        ):
-            if value != default:
-                raise ConfigError(
-                    f"{option} {value} applies to text files; records are read as the "
-                    "Unicode text their files hold (JSON and parquet strings are UTF-8)"
-                )
+        _refuse_options(
+            [("--encoding", encoding, "utf-8"), ("--errors", errors, "strict")],
+            "applies to text files; records are read as the Unicode text their files hold "
+            "(JSON and parquet strings are UTF-8)",
+        )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a directory to write the tokens into")
     described = source.describe(None if source.kind == "text" else text_field)
@@ -493,6 +485,13 @@ def _corpus_named(described: dict) -> str:
         f", {k} {described[k]!r}" for k in ("text_field", "split") if described.get(k) is not None
     )
     return f"{described.get('kind')} {where}{extra}"
+
+
+def _refuse_options(given: list[tuple[str, str, str]], why: str) -> None:
+    """One line for the first (option, value, default) set to other than its default."""
+    for option, value, default in given:
+        if value != default:
+            raise ConfigError(f"{option} {value} {why}")
 
 
 def main(argv: list[str] | None = None) -> int:
