@@ -239,6 +239,52 @@ def test_too_few_groups_for_too_long_stops_with_a_checkpoint_a_plain_run_resumes
     _same_as(reference, _final(tmp_path / "plain"), "ft checkpoint resumed without ft")
 
 
+def _wait_for(p: subprocess.Popen, line: str, timeout: float = 120) -> None:
+    """Until the running job `p` has written `line` to its log."""
+    end = time.monotonic() + timeout
+    while line not in p.log.read_text():
+        assert p.poll() is None and time.monotonic() < end, p.log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_group_started_afresh_while_the_run_was_down_heals_from_the_runs_checkpoint(
+    tmp_path, lighthouse, reference
+):
+    """[Note: a group's origin]. Both groups go down: group 1 killed after step 5, group 0
+    stopped by the stall with its checkpoint of step 5 (only the lowest group writes them).
+    Group 1 comes back first, with no checkpoint: it starts afresh, trains alone to step 8
+    and pauses there, in the quorum. Group 0 comes back from the run's checkpoint at step 5.
+    torchft heals from the highest step: group 0 would take group 1's 8 steps, which are not
+    the run's (with this deterministic job they happen to equal them; after a change of the
+    data or the schedule they would not). Instead group 0 keeps its model, group 1 drops its
+    steps and heals from group 0 at step 5, and both end where one process does."""
+    lh = lighthouse(min_replicas=1)
+    first = _run(tmp_path, lh, 0, ["ft.min_groups=2", "ft.stall_timeout_s=3"])
+    killed = _run(tmp_path, lh, 1, ["ft.min_groups=2"], env={"SHARDTRAIN_FAULT": "0:5:kill"})
+    _done(killed)
+    log = _done(first)
+    assert first.returncode == 1 and "stopping" in log, log[-3000:]
+    assert (tmp_path / "g0" / "checkpoints" / "step_000005" / "COMPLETE").exists()
+    go = tmp_path / "go"
+    pause = {"SHARDTRAIN_FAULT": "0:8:pause", "SHARDTRAIN_FAULT_PAUSE_UNTIL": str(go)}
+    fresh = _run(tmp_path, lh, 1, ["ft.min_groups=1", "ft.join_timeout_s=0.1"], env=pause)
+    _wait_for(fresh, "fault: rank 0 pauses after step 8")
+    back = _run(tmp_path, lh, 0, ["ft.min_groups=2", "resume=auto"])
+    _wait_for(back, "at step 5")  # resumed: its quorum is next
+    go.touch()
+    log1, log0 = _done(fresh), _done(back)
+    assert fresh.returncode == 0, log1[-3000:]
+    assert back.returncode == 0, log0[-3000:]
+    assert "group 0: healed" not in log0, log0[-3000:]
+    assert "group 0: not healed from a group at step 8 (started afresh at" in log0, log0[-3000:]
+    assert "its 8 steps are dropped" in log1 or "Its 8 steps are dropped" in log1, log1[-3000:]
+    assert "group 1: healed from a live peer at step 5" in log1, log1[-3000:]
+    a, b = _final(tmp_path / "g0"), _final(tmp_path / "g1")
+    _equal(a, b)
+    _same_as(reference, a, "a group started afresh, then healed from the run's checkpoint")
+
+
 def test_a_group_of_another_config_is_refused(tmp_path, lighthouse):
     lh = lighthouse(min_replicas=2)
     groups = [_run(tmp_path, lh, 0), _run(tmp_path, lh, 1, ["seed=1"])]
@@ -503,7 +549,7 @@ def test_a_lighthouse_gone_for_good_stops_the_run_after_the_stall_budget():
     groups do), not a whole ft.quorum_timeout_s later."""
     from trainer.comm.replicas import TooFewGroups
 
-    r = _replicas(SimpleNamespace(_quorum_future=None))
+    r = _replicas(SimpleNamespace(_quorum_future=None, current_step=lambda: 6))
     r.stall_s, r.quorum_s, r.min_groups, r.lighthouse = 5.0, 60.0, 1, "http://10.0.0.7:29510"
     r.last_commit = time.monotonic() - 3.0  # 2 s of the budget left
     waits = []

@@ -30,6 +30,8 @@ from trainer.errors import ConfigError
 #   kill          SIGKILL after that step
 #   hang          stop answering after that step (the peers time out: dist.timeout_s; a
 #                 SIGTERM ends it)
+#   pause         sleep after that step, saying so first: 10 s, or until the file
+#                 SHARDTRAIN_FAULT_PAUSE_UNTIL names exists (at most 120 s); a slow step
 #   term          SIGTERM after that step, as a preemption: the run stops at its next check
 #                 step with a checkpoint ([Note: stopping on SIGTERM])
 #   corrupt       after that step, flip a byte of this rank's part of the newest complete
@@ -54,6 +56,7 @@ from trainer.errors import ConfigError
 # so in its first line, on rank 0 (`check`, before the group): each entry, those fired.
 
 FAULT_ENV, FAULT_ONCE_ENV = "SHARDTRAIN_FAULT", "SHARDTRAIN_FAULT_ONCE"
+PAUSE_ENV = "SHARDTRAIN_FAULT_PAUSE_UNTIL"
 POINTS = {
     "kill": "step",
     "hang": "step",
@@ -64,6 +67,7 @@ POINTS = {
     "kill_in_prune": "prune",
     "nocommit": "commit",
     "kill_in_sync": "sync",
+    "pause": "step",
 }
 
 
@@ -119,6 +123,7 @@ def check(world_size: int) -> None:
 WHAT = {
     "kill": "SIGKILL after step {}",
     "hang": "hangs after step {}",
+    "pause": "pauses after step {}",
     "term": "SIGTERM after step {}",
     "corrupt": "damages the newest checkpoint after step {}, then SIGKILL",
     "kill_in_save": "SIGKILL halfway through saving step {}",
@@ -199,6 +204,13 @@ def _fire(entry: Entry, spec: str, path: Path | None) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             time.sleep(60)
+    if action == "pause":
+        until = os.environ.get(PAUSE_ENV)
+        print(f"fault: rank {entry.rank} pauses after step {entry.step}", flush=True)
+        end = time.monotonic() + (120 if until else 10)
+        while time.monotonic() < end and not (until and Path(until).exists()):
+            time.sleep(0.05)
+        return
     if action == "term":
         os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag: training goes on
         return

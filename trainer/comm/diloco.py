@@ -430,7 +430,8 @@ class SemiSyncReplicas(FaultTolerantReplicas):
 
     def _heal(self, sent: dict[str, Any]) -> None:
         super()._heal(sent)
-        self.joins = sent.get("joins")
+        if not self.refused:  # [Note: a group's origin]: a younger peer's was not loaded
+            self.joins = sent.get("joins")
 
     def _send(self, step: int, f: int, due: int, alpha: float | None = None) -> None:
         """Launch the sync of fragment f: Σ w Δ and Σ w over the quorum."""

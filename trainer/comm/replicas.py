@@ -160,6 +160,48 @@ class Replicas:
         pass
 
 
+# [Note: a group's origin]
+# Every replica group's model descends from one fresh start: its origin, the time (rank 0's
+# clock) at which a group built it from the seed at step 0. A heal hands the peer's origin
+# on, a checkpoint keeps it (one written before origins were kept, or without ft, counts as
+# the oldest: 0). Two origins meet when every group of a run was down and one of them came
+# back with no checkpoint of its own (only the lowest group writes them), started afresh
+# and trained alone, before another came back from the run's checkpoint. torchft heals
+# every group from one at the highest step, however it got there: the fresh group's steps,
+# if more, would overwrite the run's progress in every group, without a word. Instead:
+# - a group that has trained steps does not load a heal of a younger origin (`_heal`);
+# - at a quorum whose groups changed, the groups compare origins in the AllReduce that
+#   checks their configs (`_same_run`). Where two groups that have trained steps are of
+#   different origins, the quorum commits nothing; each group of a younger origin says in
+#   one line that it drops its steps (the checkpoints it wrote stay on disk), counts itself
+#   at step 0, and takes no step until it has healed from a group of the oldest origin.
+#   So a group that is behind, or started afresh, never becomes the source of a heal for
+#   the run's groups, and never sends its pseudo-gradient into their global copy.
+# - groups still at step 0 (a fresh run's, started moments apart from the same seeded
+#   weights) take the oldest origin without a word.
+# Clocks of different hosts only need to agree to within the time between the run's start
+# and a fresh start after every group was down.
+
+
+class Origin:
+    """When this group's model was first built from the seed (seconds since the epoch, 0:
+    unknown, the oldest): [Note: a group's origin]. A stateful of the checkpoint."""
+
+    def __init__(self, born: float) -> None:
+        self.born, self.loaded = born, False
+
+    def state_dict(self) -> dict[str, float]:
+        return {"born": self.born}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.born, self.loaded = float(state["born"]), True
+
+    def describe(self) -> str:
+        if self.born == 0:
+            return "of a checkpoint from before origins were kept"
+        return "started afresh at " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.born))
+
+
 def _membership_pg(base: type) -> type:
     """torchft's reconfigurable process group, remembering which groups the quorum
     configured it with (`global_ranks` are g * P + r for each group g present)."""
@@ -268,10 +310,18 @@ class FaultTolerantReplicas(Replicas):
         self.healed_at: int | None = None  # the step a heal brought this group to
         # a step that commits later than this after the one before is named (a stall)
         self.slow_s = 0.5
+        # [Note: a group's origin]: rank 0's clock, the same in every rank of the group
+        born = [time.time()]
+        broadcast_object(born)
+        self.origin = Origin(born[0])
+        self.asked = 0  # the step this group counted itself at in the last quorum
+        self.dropped = False  # its steps were of a younger origin: it takes none until healed
+        self.refused = False  # it did not load a heal of a younger origin this quorum
 
     # -- heal ------------------------------------------------------------------------
     def _live_state(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "state": self._state_dict()}
+        return {"fingerprint": self.fingerprint, "origin": self.origin.born,
+                "state": self._state_dict()}  # fmt: skip
 
     def _heal(self, sent: dict[str, Any]) -> None:
         if sent["fingerprint"] != self.fingerprint:
@@ -280,10 +330,24 @@ class FaultTolerantReplicas(Replicas):
                 f"config (fingerprint {sent['fingerprint']:x}, this one {self.fingerprint:x}): "
                 "every group of a run needs the same config and ranks per group"
             )
+        born = float(sent.get("origin", 0.0))
+        if born > self.origin.born and self.asked > 0 and not self.dropped:
+            # [Note: a group's origin]: the peer's steps are not this run's model. Not
+            # loaded; this group stays at its step, and the origins are compared below.
+            self.manager.load_state_dict({"step": self.asked, "batches_committed": 0})
+            self.refused = True
+            peer = Origin(born)
+            self._say(f"not healed from a group at step {sent['state']['step']} "
+                      f"({peer.describe()}): this group's model is older "
+                      f"({self.origin.describe()}, step {self.asked})")  # fmt: skip
+            return
         self._load_state_dict(sent["state"])
         self.healed_at = int(sent["state"]["step"])
+        self.origin.born = born
 
     def load_step(self, step: int) -> None:
+        if step > 0 and not self.origin.loaded:  # resumed from a checkpoint without one
+            self.origin.born = 0.0  # [Note: a group's origin]: the oldest
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     # -- each step ---------------------------------------------------------------------
@@ -296,7 +360,8 @@ class FaultTolerantReplicas(Replicas):
 
     def _start_step(self, step: int) -> StepPlan:
         while True:
-            self.healed_at = None
+            self.healed_at, self.refused = None, False
+            self.asked = self.manager.current_step()
             asked = time.monotonic()
             try:
                 # a heal loads the peer's state in here
@@ -313,15 +378,24 @@ class FaultTolerantReplicas(Replicas):
                 continue
             if self.healed_at is not None:
                 step = self.healed_at + 1
+                self.dropped = False
                 self._say(
                     f"healed from a live peer at step {self.healed_at} in "
                     f"{time.monotonic() - asked:.2f} s (quorum, state sent and loaded)"
                 )
             present = self.pg.present or [self.index]
-            if self.pg.changed:  # a group joined or left: same config everywhere?
-                if not self._same_config():
+            if self.pg.changed or self.refused:  # a group joined or left: the same run?
+                same = self._same_run(step - 1)
+                if same is None:
                     continue  # the check's AllReduce failed: checked at the next quorum
                 self.pg.changed = False
+                if not same:  # two origins: [Note: a group's origin]
+                    self._skip("replica groups of two origins")
+                    continue
+            if self.dropped:  # not healed yet: it has no step of this run to take
+                self._stalled("waiting to heal from a group of the run's origin")
+                self._skip("a group waits to heal")
+                continue
             if len(present) < self.min_groups:
                 self._stalled(f"{len(present)} of {self.groups} replica groups alive")
                 self._skip("too few replica groups")
@@ -356,24 +430,45 @@ class FaultTolerantReplicas(Replicas):
         self.manager.should_commit()
         time.sleep(0.05)  # the next quorum: not a busy loop of RPCs
 
-    def _same_config(self) -> bool:
-        """Whether every group in the quorum has this group's fingerprint (False: the
-        check's AllReduce failed, the step is tried again). Refuses another config."""
-        fp = torch.tensor(
-            [float(self.fingerprint % (1 << 40)), 1.0], dtype=torch.float64, device=self.device
-        )
-        self.manager.allreduce(fp, reduce_op=dist.ReduceOp.SUM).wait()
+    def _same_run(self, done: int) -> bool | None:
+        """Whether the groups in the quorum are of one run: every one has this group's
+        fingerprint (else refused), and those that have trained share one origin ([Note: a
+        group's origin]; False: a group of a younger origin drops its steps, here, and
+        waits to heal). `done`: the step this group is at. None: the check's AllReduce
+        failed, the quorum is tried again."""
+        fp = float(self.fingerprint % (1 << 40))
+        born, trained = self.origin.born, done > 0 and not self.dropped
+        inf = math.inf
+        # one AllReduce of MIN: the fingerprints' least and greatest, the least origin of
+        # the groups that trained, their greatest, and the least of all
+        figures = torch.tensor(
+            [fp, -fp, born if trained else inf, -born if trained else inf, born],
+            dtype=torch.float64, device=self.device,
+        )  # fmt: skip
+        self.manager.allreduce(figures, reduce_op=dist.ReduceOp.MIN).wait()
         if self.manager.errored() is not None:
-            return False
-        count = int(fp[1])
-        if fp[0].item() != count * float(self.fingerprint % (1 << 40)):
+            return None
+        least, greatest, oldest, youngest, first = figures.tolist()
+        if least != fp or -greatest != fp:
             raise ConfigError(
                 f"ft: a replica group of another config or run joined the quorum of "
-                f"{count} groups (this group's fingerprint {self.fingerprint:x}): every "
-                "group of a run needs the same config and ranks per group, and each run its "
-                "own Lighthouse"
+                f"{self.manager.num_participants()} groups (this group's fingerprint "
+                f"{self.fingerprint:x}): every group of a run needs the same config and ranks "
+                "per group, and each run its own Lighthouse"
             )
-        return True
+        if oldest == inf:  # nobody trained yet: every group takes the first start
+            self.origin.born = first
+            return True
+        if not trained:  # healed from the oldest below, or about to be
+            return oldest == -youngest
+        if born > oldest:  # a younger origin than a group that trained: drop, heal
+            self._say(f"its model ({self.origin.describe()}, step {done}) is not the run's: "
+                      f"a group of an older one ({Origin(oldest).describe()}) is back. Its "
+                      f"{done} steps are dropped (checkpoints it wrote stay where they are) "
+                      "and it heals from that group")  # fmt: skip
+            self.dropped = True
+            self.manager.load_state_dict({"step": 0, "batches_committed": 0})
+        return oldest == -youngest
 
     def _stalled(self, why: str) -> None:
         waited = time.monotonic() - self.last_commit
