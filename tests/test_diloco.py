@@ -7,7 +7,9 @@ inside and outside), or against the per-step sync where the two are the same."""
 from __future__ import annotations
 
 import copy
+import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -350,6 +352,60 @@ def test_a_group_back_mid_run_heals_with_the_outer_state(tmp_path, lighthouse):
     _same_as(want, a, "group 1 healed at step 8")
 
 
+def _wait_for(p, line: str, timeout: float = 120) -> None:
+    """Until the running job `p` has written `line` to its log."""
+    end = time.monotonic() + timeout
+    while line not in p.log.read_text():
+        assert p.poll() is None and time.monotonic() < end, p.log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_group_started_afresh_never_overwrites_the_runs_global_copy(tmp_path, lighthouse):
+    """[Note: a group's origin] in trainer/comm/replicas.py. Both groups killed after step
+    5 (group 0's checkpoint of step 4, the sync of step 4 in it). Group 1 comes back first,
+    with no checkpoint: it starts afresh, takes its own outer steps on its own global copy
+    alone, and pauses after step 8. Group 0 comes back from step 4. torchft would heal
+    group 0 from group 1 (the higher step): the run's global copy and outer momentum
+    replaced by one group's fresh rounds. Instead group 1 drops its steps and heals from
+    group 0, and both end bitwise where the uninterrupted run ends. (Inner SGD without
+    momentum: the global copy and the outer momentum are all of a group's state after a
+    sync, so the checkpoint of the lowest group holds every group's; with inner momentum,
+    group 1's own would be lost with its process.)"""
+    lh = lighthouse(min_replicas=1)
+    args = [*BASE, *FT, "ft.semi_sync=diloco", "ft.sync_steps=2", "optim.momentum=0",
+            "ckpt.every=4"]  # fmt: skip
+    whole = [start_group(tmp_path / "whole", lh.address, g, args) for g in (0, 1)]
+    for p in whole:
+        log = finished(p)
+        assert p.returncode == 0, log[-3000:]
+    kill = {"SHARDTRAIN_FAULT": "0:5:kill"}
+    down = [start_group(tmp_path, lh.address, g, args, env=kill) for g in (0, 1)]
+    for p in down:
+        log = finished(p)
+        assert p.returncode == -signal.SIGKILL, log[-3000:]
+    assert (tmp_path / "g0" / "checkpoints" / "step_000004" / "COMPLETE").exists()
+    assert not list((tmp_path / "g1").glob("checkpoints/step_*"))
+    go = tmp_path / "go"
+    pause = {"SHARDTRAIN_FAULT": "0:8:pause", "SHARDTRAIN_FAULT_PAUSE_UNTIL": str(go)}
+    alone = ["ft.min_groups=1", "ft.join_timeout_s=0.1"]
+    fresh = start_group(tmp_path, lh.address, 1, [*args, *alone], env=pause)
+    _wait_for(fresh, "fault: rank 0 pauses after step 8")
+    back = start_group(tmp_path, lh.address, 0, [*args, "ft.min_groups=2", "resume=auto"])
+    _wait_for(back, "at step 4")  # resumed: its quorum is next
+    go.touch()
+    log1, log0 = finished(fresh), finished(back)
+    assert fresh.returncode == 0, log1[-3000:]
+    assert back.returncode == 0, log0[-3000:]
+    assert "group 0: healed" not in log0, log0[-3000:]
+    assert "group 0: not healed from a group at step 10 (started afresh at" in log0, log0[-3000:]
+    assert "Its 10 steps are dropped" in log1, log1[-3000:]
+    assert "group 1: healed from a live peer at step 4" in log1, log1[-3000:]
+    a, b = final_model(tmp_path / "g0"), final_model(tmp_path / "g1")
+    _equal(a, b)
+    _equal(final_model(tmp_path / "whole" / "g0"), a)
+
+
 # inner momentum 0: torch's SGD keeps no state of its own, the outer tensors are all of it
 @pytest.mark.parametrize("momentum", [0.9, 0.0])
 def test_a_checkpoint_holds_the_global_copy_and_the_outer_state(tmp_path, lighthouse, momentum):
@@ -412,8 +468,10 @@ def test_a_schedule_that_cannot_run_is_refused_in_one_line(overrides, line):
         ("zero", ["model=gpt", "data=tokens", "model.n_embd=32", "ft.fragments=2",
                   "ft.fragment_sync_delay=1"], {"fragments": 2, "delay": 1}),
         ("fsdp", [], {}),
+        # every rank holds the whole model: each sends and steps half of it
+        ("ddp", [], {}),
     ],
-    ids=["zero", "fsdp"],
+    ids=["zero", "fsdp", "ddp"],
 )  # fmt: skip
 def test_sharded_groups_of_two_ranks(tmp_path, lighthouse, mode, model, sim):
     """Two groups of two ranks (torchrun each), the mode sharding inside a group: each
@@ -432,3 +490,8 @@ def test_sharded_groups_of_two_ranks(tmp_path, lighthouse, mode, model, sim):
     overrides = [*BASE, "optim.momentum=0.9", "optim.clip_grad_norm=0.5",
                  *[m for m in model if not m.startswith("ft.")]]  # fmt: skip
     _same_as(simulate(overrides, ranks=2, **sim), a, f"{mode}: 2 groups of 2 ranks")
+    if mode == "ddp":  # [Note: a group's ranks split what they all hold]: rank 0 sent half
+        values = sum(t.numel() for t in a.values())
+        sent = json.loads((tmp_path / "g0" / "final_metrics.json").read_text())
+        per_sync = 4 * -(-values // 2) + 8  # its slice and the weight, 2(N-1)/N = 1
+        assert sent["comm/bytes_per_step/ft_across_replica_groups"] == 3 * per_sync / 12

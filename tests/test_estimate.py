@@ -265,7 +265,8 @@ def _measure(env, cfgs: list, activations: list[bool]) -> list[dict]:
         # fragment sync across replica groups sends (diloco.py's `_send`; none where a
         # fragment holds nothing on this rank)
         outer = OuterState(engine, where, FRAGMENTS, 1.0, 0.0, lossy=False)
-        got["fragment_values"] = [sum(t.numel() for t in ts) for ts in outer.local]
+        outer.bind()
+        got["fragment_values"] = [outer.pseudo_gradient(f).numel() for f in range(FRAGMENTS)]
         out.append(got)
     return out
 
@@ -349,10 +350,11 @@ def test_values_across_replica_groups_are_the_engines_on_every_rank(runs):
         for r, got in enumerate(measured):
             assert replica_groups.values_per_sync(plan, every, None, r) == [got["grad_values"]]
             want = got["fragment_values"]
-            assert replica_groups.values_per_sync(plan, semi, where, r) == want, (case, mode, r)
+            got_values = replica_groups.values_per_sync(plan, semi, where, r, p)
+            assert got_values == want, (case, mode, r)
             checked += 1
         # the figures are the busiest rank's
-        fig = replica_groups.figures(plan, semi, where, 6, 1e9)
+        fig = replica_groups.figures(plan, semi, where, 6, 1e9, p)
         sent = [[replica_groups.sync_bytes(v, semi) for v in m["fragment_values"]]
                 for m in measured]  # fmt: skip
         assert fig["bytes_per_sync"] == max(sent, key=sum), (case, mode)

@@ -31,7 +31,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from trainer.checkpoint import faults
 from trainer.comm import quantized
-from trainer.comm.collectives import stats
+from trainer.comm.collectives import all_gather, stats
 from trainer.comm.replicas import FaultTolerantReplicas, StepPlan
 from trainer.errors import ConfigError, first_line
 from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
@@ -61,6 +61,18 @@ from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
 # and the memory monitor counts them. They are put there after t's first inner step
 # (torch's optimizers build their own state when it is empty); until then they are kept
 # aside. After any load (a resume, a heal) they are bound again (`OuterState.bind`).
+# [Note: a group's ranks split what they all hold]
+# zero and fsdp give rank r a shard of its own; ddp gives every rank of a group the whole
+# model. Synced as it is, each of a ddp group's P ranks would send the whole pseudo-
+# gradient across (P Ψ a group per sync over the one link between sites) and step the
+# same outer SGD. Instead, of each fragment's parameters that every rank of the group
+# holds (`ShardGroup.sharded` False, the mode's group: ddp's, not the experts'), laid end
+# to end, rank r sends and steps slice r only (`_Share`, ceil(n / P) values): Ψ / P values
+# across per rank, as in zero and fsdp. After its outer step the group's ranks AllGather
+# their slices of the global copy (and of the outer momentum and the error feedback), so
+# every rank holds all of them whole, as a checkpoint and a heal expect (ddp's rank 0
+# writes them); the outer step is elementwise, so it is the same arithmetic as stepping
+# it whole. Expert parameters (their own groups) are sent whole by their holders.
 GLOBAL, MOMENTUM, ERROR = "outer_global", "outer_momentum", "outer_error"
 BLOCK = 256  # values per int8 block (one fp32 scale each), as the in-group int8 wire
 
@@ -148,16 +160,27 @@ class OuterState:
         self.engine, self.fragments, self.lr, self.momentum = engine, fragments, lr, momentum
         self.lossy = lossy  # error feedback for a bf16 or int8 wire
         self.local: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
+        held_by_all: set[int] = set()  # optimizer tensors every rank of the group holds
         for g in engine.shard_groups():
             for piece in g.pieces:
                 self.local[fragment_of[piece.name]].append(piece.tensor)
+                if not g.sharded and g.group is None:
+                    held_by_all.add(id(piece.tensor))
+        # [Note: a group's ranks split what they all hold]
+        ranks, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        self.shares = [
+            _Share([t for t in ts if id(t) in held_by_all], ranks, rank) for ts in self.local
+        ]
         # A fragment may hold nothing on this rank (zero cuts its buckets into contiguous
         # slices): rank r of every group holds the same, so each sends its empty Δ alike.
         self.device = engine.device
         # outer tensors of optimizer tensors with no optimizer state yet, by id
         self.aside: dict[int, dict[str, torch.Tensor]] = {}
-        self.globals: list[list[torch.Tensor]] = []
-        self.errors: list[list[torch.Tensor]] = []
+        self.globals: list[list[torch.Tensor]] = []  # whole, as the optimizer's state holds them
+        self.sent: list[list[tuple[torch.Tensor, slice]]] = []  # (local, this rank's range)
+        self.stepped: list[list[torch.Tensor]] = []  # the outer SGD's: views of the globals
+        self.states: list[list[dict[str, torch.Tensor]]] = []
+        self.errors: list[list[torch.Tensor]] = []  # views: this rank's range of each
         self.outer: list[torch.optim.SGD] = []
 
     def _state(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -186,20 +209,27 @@ class OuterState:
         if fresh:
             self.aside.clear()
         self.globals, self.errors, self.outer = [], [], []
+        self.sent, self.stepped, self.states = [], [], []
         for f in range(self.fragments):
             states = [self._state(t) for t in self.local[f]]
-            globals_ = [s[GLOBAL] for s in states]
+            ranges = [self.shares[f].range_of(t) for t in self.local[f]]
+            sent = [(i, r) for i, r in enumerate(ranges) if r.stop > r.start]
+            stepped = [states[i][GLOBAL].view(-1)[r] for i, r in sent]
             # where the fragment holds nothing on this rank, an empty stand-in (torch's
             # SGD takes no empty list): it never has a gradient, so it never moves
             sgd = torch.optim.SGD(
-                globals_ or [torch.zeros(0)], lr=self.lr, momentum=self.momentum,
+                stepped or [torch.zeros(0)], lr=self.lr, momentum=self.momentum,
                 nesterov=self.momentum > 0,
             )  # fmt: skip
             if self.momentum > 0:  # torch's first step sets the buffer to the gradient:
-                for g, s in zip(globals_, states, strict=True):  # 0.9 * 0 + g, the same
-                    sgd.state[g]["momentum_buffer"] = s[MOMENTUM]
-            self.globals.append(globals_)
-            self.errors.append([s[ERROR] for s in states] if self.lossy else [])
+                for g, (i, r) in zip(stepped, sent, strict=True):  # 0.9 * 0 + g, the same
+                    sgd.state[g]["momentum_buffer"] = states[i][MOMENTUM].view(-1)[r]
+            self.globals.append([s[GLOBAL] for s in states])
+            self.sent.append([(self.local[f][i], r) for i, r in sent])
+            self.stepped.append(stepped)
+            self.states.append(states)
+            errors = [states[i][ERROR].view(-1)[r] for i, r in sent] if self.lossy else []
+            self.errors.append(errors)
             self.outer.append(sgd)
 
     def settle(self) -> None:
@@ -210,9 +240,9 @@ class OuterState:
             self.bind()
 
     def pseudo_gradient(self, f: int) -> torch.Tensor:
-        """Δ = θ - θ_g of fragment f, flat (fp32)."""
+        """Δ = θ - θ_g of what this rank sends of fragment f, flat (fp32)."""
         return _flat(
-            [(g - t).reshape(-1) for g, t in zip(self.globals[f], self.local[f], strict=True)],
+            [g - t.view(-1)[r] for g, (t, r) in zip(self.stepped[f], self.sent[f], strict=True)],
             self.device,
         )
 
@@ -230,12 +260,15 @@ class OuterState:
         """The outer step of fragment f with `mean` Δ as its gradient; the local copy
         takes the global one (mixed with alpha)."""
         offset = 0
-        for g in self.globals[f]:
+        for g in self.stepped[f]:
             g.grad = mean[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
         self.outer[f].step()
-        for g, t in zip(self.globals[f], self.local[f], strict=True):
+        for g in self.stepped[f]:
             g.grad = None
+        kinds = [GLOBAL] + [MOMENTUM] * (self.momentum > 0) + [ERROR] * self.lossy
+        self.shares[f].gather(self.states[f], self.local[f], kinds)
+        for g, t in zip(self.globals[f], self.local[f], strict=True):
             if alpha == 0:
                 t.copy_(g)
             else:  # a θ_g + (1 - a) θ
@@ -248,9 +281,51 @@ class OuterState:
         for f in range(self.fragments) if fragment is None else [fragment]:
             for g, t in zip(self.globals[f], self.local[f], strict=True):
                 t.copy_(g)
-            if fragment is None:
-                for e in self.errors[f]:
-                    e.zero_()
+            if fragment is None and self.lossy:
+                for state in self.states[f]:
+                    state[ERROR].zero_()
+
+
+class _Share:
+    """Rank `rank`'s slice of `held` (the optimizer tensors of a fragment every one of the
+    group's `ranks` ranks holds), laid end to end: [Note: a group's ranks split what they
+    all hold]."""
+
+    def __init__(self, held: list[torch.Tensor], ranks: int, rank: int) -> None:
+        self.ranks, self.offsets = ranks, {}
+        total = 0
+        for t in held:
+            self.offsets[id(t)] = total
+            total += t.numel()
+        self.held, self.total = held, total
+        self.chunk = -(-total // ranks) if ranks > 1 else total
+        self.lo, self.hi = min(rank * self.chunk, total), min((rank + 1) * self.chunk, total)
+
+    def range_of(self, t: torch.Tensor) -> slice:
+        """The range of `t`'s values this rank sends and steps: all of a tensor of its own."""
+        if self.ranks == 1 or id(t) not in self.offsets:
+            return slice(0, t.numel())
+        o = self.offsets[id(t)]
+        return slice(min(max(self.lo - o, 0), t.numel()), max(min(self.hi - o, t.numel()), 0))
+
+    def gather(self, states: list[dict], local: list[torch.Tensor], kinds: list[str]) -> None:
+        """Every rank's slice of each outer tensor in `kinds` into every rank's whole one
+        (one AllGather inside the group)."""
+        if self.ranks == 1 or not self.held or not kinds:
+            return
+        by_id = {id(t): s for t, s in zip(local, states, strict=True)}
+        mine = torch.zeros(len(kinds), self.chunk, device=self.held[0].device)
+        for t in self.held:
+            r, o = self.range_of(t), self.offsets[id(t)] - self.lo
+            for k, kind in enumerate(kinds):
+                mine[k, o + r.start : o + r.stop] = by_id[id(t)][kind].view(-1)[r]
+        every = torch.empty(self.ranks, len(kinds), self.chunk, device=mine.device)
+        all_gather(every.view(-1), mine.view(-1), tag="diloco_share").wait()
+        whole = every.transpose(0, 1).reshape(len(kinds), -1)
+        for t in self.held:
+            o = self.offsets[id(t)]
+            for k, kind in enumerate(kinds):
+                by_id[id(t)][kind].view(-1).copy_(whole[k, o : o + t.numel()])
 
 
 def _builds_no_state(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> bool:
@@ -372,6 +447,8 @@ class SemiSyncReplicas(FaultTolerantReplicas):
         k, rest = divmod(step + self.delay, self.every)
         if rest == 0 and k >= 1:
             self._sync(step, (k - 1) % self.fragments, step + self.delay)
+        if self.moved_to is not None:  # healed: on from the peer's step, on its schedule
+            return self.moved_to
         if self.in_flight is not None and self.in_flight.due <= step:
             self._finish(step)
         if step == self.steps:  # every fragment, and every group takes the global copy
@@ -404,7 +481,9 @@ class SemiSyncReplicas(FaultTolerantReplicas):
         """A quorum after step `done`: who takes part in the next sync, and whose data
         slots each group takes until the next quorum. A group behind the others heals
         here (the peer's step, inner and outer state), takes the global copy and joins
-        the sync its peers are about to send, with nothing trained."""
+        the sync its peers are about to send, with nothing trained; True where it healed
+        (its own sync, if one was due, is not sent). A group that drops its steps ([Note:
+        a group's origin]) heals here too, back to its peer's step."""
         self.manager.load_state_dict({"step": done, "batches_committed": 0})
         self.last_commit = time.monotonic()  # a stall is counted from here
         plan = self._start_step(done + 1)
@@ -418,8 +497,8 @@ class SemiSyncReplicas(FaultTolerantReplicas):
         self.in_flight = None  # a sync of its own, behind its peers': theirs holds it
         self.engine.params_from_masters()
         self.next = self.joins
-        if self.joins is None:  # the peers are not about to send (a fresh start)
-            return False
+        if self.joins is None:  # the peers are not about to send (a start, a resume):
+            return True  # nor is this group, at its peer's step now
         self._send(self.healed_at, *self.joins)
         if self.in_flight.due <= self.healed_at:
             self._finish(self.healed_at)

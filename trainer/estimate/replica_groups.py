@@ -32,11 +32,13 @@ from trainer.parallel import pieces
 #     bytes). Waited for at once: the optimizer steps on its result.
 #   ft.semi_sync (comm/diloco.py `_send`): every H/F steps one fragment (the model's
 #     units dealt strided, `fragments_of`) sends the pseudo-gradient of what the inner
-#     optimizer steps of it on this rank (ddp: whole parameters; zero, fsdp: the pieces
-#     of the rank's slices, no padding). fp32 wire: an AllReduce of those values and one
-#     float64 weight, 2(N-1)/N x (4 n + 8); bf16 wire: an AllGather of one row of 2 n + 4
-#     bytes per group; int8 wire: one packed row (`quantized.row_bytes`, blocks of
-#     diloco.BLOCK, the weight exact); a rank sends its row to the N - 1 others.
+#     optimizer steps of it on this rank (zero, fsdp: the pieces of the rank's slices, no
+#     padding; ddp: rank r's ceil(n / P) slice of the fragment's n values laid end to end,
+#     [Note: a group's ranks split what they all hold], its experts whole). fp32 wire: an
+#     AllReduce of those values and one float64 weight, 2(N-1)/N x (4 n + 8); bf16 wire:
+#     an AllGather of one row of 2 n + 4 bytes per group; int8 wire: one packed row
+#     (`quantized.row_bytes`, blocks of diloco.BLOCK, the weight exact); a rank sends its
+#     row to the N - 1 others.
 #     Averaged over a sync period (H steps: each fragment once) and at most per sync.
 #     The run's last step syncs again every fragment not synced at that step
 #     (`run_syncs`): a short run's average differs from the period's.
@@ -99,11 +101,11 @@ def fragments(cfg: DictConfig, model: torch.nn.Module | None, p: Plan) -> dict[s
 
 
 def values_per_sync(
-    p: Plan, s: Schedule, fragment_of: dict[str, int] | None, rank: int
+    p: Plan, s: Schedule, fragment_of: dict[str, int] | None, rank: int, ranks: int = 1
 ) -> list[int]:
-    """The values `rank` sends at each sync ([Note: traffic across replica groups]):
-    [what grad_tensors() holds] every step, else one count per fragment (0 where a
-    fragment holds nothing on `rank`: its sync sends the weight alone)."""
+    """The values `rank` of a group of `ranks` sends at each sync ([Note: traffic across
+    replica groups]): [what grad_tensors() holds] every step, else one count per fragment
+    (0 where a fragment holds nothing on `rank`: its sync sends the weight alone)."""
     if s.semi_sync is None:
         return [
             sum(
@@ -112,15 +114,19 @@ def values_per_sync(
             )
         ]
     out = [0] * s.fragments
+    held_by_all = [0] * s.fragments  # ddp's dense values, split over the group's ranks
     for f in p.flat_buffers:
         if not p.sharded:  # one optimizer tensor per parameter, whole
             for name, shape in zip(f.names, f.layout.shapes, strict=True):
-                out[fragment_of[name]] += shape.numel()
+                (out if f.expert else held_by_all)[fragment_of[name]] += shape.numel()
             continue
         shard = torch.empty(f.layout.shard_size(p.shard_of(f)), device="meta")
         cut = pieces.cut(f.names, range(len(f.names)), f.layout, shard, p.group_rank(f, rank))
         for c in cut:
             out[fragment_of[c.name]] += c.end - c.start
+    for i, n in enumerate(held_by_all):  # diloco.py's _Share: rank r's ceil(n / P) slice
+        chunk = -(-n // ranks)
+        out[i] += min(n, (rank + 1) * chunk) - min(n, rank * chunk)
     return out
 
 
@@ -153,14 +159,23 @@ def run_syncs(steps: int, s: Schedule) -> list[int]:
 
 
 def figures(
-    p: Plan, s: Schedule, fragment_of: dict[str, int] | None, steps: int, link_Bps: float
+    p: Plan,
+    s: Schedule,
+    fragment_of: dict[str, int] | None,
+    steps: int,
+    link_Bps: float,
+    world: int = 1,
 ) -> dict[str, Any]:
     """The busiest rank's bytes across groups and the link's seconds per sync ([Note:
-    traffic across replica groups]); `steps`: the run's, for its own average."""
-    ranks = range(p.shard) if s.semi_sync is not None else [0]  # ranks alike every step
+    traffic across replica groups]), for groups of `world` ranks; `steps`: the run's,
+    for its own average."""
+    # ranks alike every step; zero and fsdp differ by shard, ddp by its slice (rank 0's
+    # the largest)
+    ranks = range(p.shard) if s.semi_sync is not None else [0]
     busiest: tuple[int, list[float]] | None = None
     for r in ranks:
-        sizes = [sync_bytes(v, s) for v in values_per_sync(p, s, fragment_of, r)]
+        values = values_per_sync(p, s, fragment_of, r, world)
+        sizes = [sync_bytes(v, s) for v in values]
         if busiest is None or sum(sizes) > sum(busiest[1]):
             busiest = (r, sizes)
     rank, sizes = busiest

@@ -129,7 +129,7 @@ def estimate(
             try:
                 where = replica_groups.fragments(cfg, model, plan)
                 across = replica_groups.figures(
-                    plan, sync, where, cfg.train.steps, cluster.across_Bps
+                    plan, sync, where, cfg.train.steps, cluster.across_Bps, world
                 )
             except ConfigError as e:  # fragments the run refuses for this mode's layout
                 out[mode] = {"refused": str(e)}
