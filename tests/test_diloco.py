@@ -406,15 +406,19 @@ def test_a_group_started_afresh_never_overwrites_the_runs_global_copy(tmp_path, 
     _equal(final_model(tmp_path / "whole" / "g0"), a)
 
 
-# inner momentum 0: torch's SGD keeps no state of its own, the outer tensors are all of it
-@pytest.mark.parametrize("momentum", [0.9, 0.0])
-def test_a_checkpoint_holds_the_global_copy_and_the_outer_state(tmp_path, lighthouse, momentum):
+# inner momentum 0: torch's SGD keeps no state of its own, the outer tensors are all of it;
+# int8: the error feedback too (a resumed run's first lossy sync once failed on it)
+@pytest.mark.parametrize("momentum, wire", [(0.9, "fp32"), (0.0, "fp32"), (0.9, "int8")])
+def test_a_checkpoint_holds_the_global_copy_and_the_outer_state(
+    tmp_path, lighthouse, momentum, wire
+):
     """One group, killed after step 6 mid-round (checkpoint of step 5) and resumed: the
-    global copy, the outer momentum and the round's position come back with the
-    checkpoint, so the run ends bitwise where the uninterrupted one does."""
+    global copy, the outer momentum (the error feedback) and the round's position come
+    back with the checkpoint, so the run ends bitwise where the uninterrupted one does."""
     lh = lighthouse(min_replicas=1)
     args = [*BASE, "ft.enabled=true", "ft.replica_groups=1", "ft.heartbeat_ms=50", "ckpt.every=5",
-            "ft.semi_sync=diloco", "ft.sync_steps=4", f"optim.momentum={momentum}"]  # fmt: skip
+            "ft.semi_sync=diloco", "ft.sync_steps=4", f"optim.momentum={momentum}",
+            f"ft.pseudo_grad_dtype={wire}"]  # fmt: skip
     whole = start_group(tmp_path / "whole", lh.address, 0, args)
     assert finished(whole) and whole.returncode == 0
     cut = start_group(tmp_path / "cut", lh.address, 0, args, env={"SHARDTRAIN_FAULT": "0:6:kill"})

@@ -249,6 +249,7 @@ class OuterState:
     def error(self, f: int) -> torch.Tensor:
         return _flat([e.reshape(-1) for e in self.errors[f]], self.device)
 
+    @torch.no_grad()  # views of state a checkpoint's load made without grad mode
     def set_error(self, f: int, flat: torch.Tensor) -> None:
         offset = 0
         for e in self.errors[f]:
