@@ -53,6 +53,12 @@ ARGS = [
 ]
 
 
+def faults_of_a_plain_run() -> list[str]:
+    """The fault actions that make a run without ft restart: not ft's (a failed commit, a
+    kill inside a fragment sync) and not `pause`, which only slows a step."""
+    return [k for k in POINTS if POINTS[k] in ("step", "save", "prune") and k != "pause"]
+
+
 def allowed_steps(action: str) -> list[int]:
     """The steps at which `action` fires and makes the group restart."""
     saves = list(range(EVERY, STEPS + 1, EVERY))
@@ -72,7 +78,7 @@ def schedules(seed: int, faults: int, runs: int, worlds: list[int]) -> list[list
     at most one per step of a run: two at one step would fire in one group (the first
     kill takes the other's effect with it) or never (a save not written again)."""
     rng = random.Random(seed)
-    kinds = [k for k in POINTS if POINTS[k] != "commit"]  # a commit fault is ft's
+    kinds = faults_of_a_plain_run()
     deck = (kinds * (faults // len(kinds) + 1))[:faults]
     rng.shuffle(deck)
     out: list[list[str]] = [[] for _ in range(runs)]
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     base = [*ARGS, f"dist.timeout_s={a.timeout_s}"]
     clean: dict[tuple[str, int], tuple[Path, float]] = {}
-    rows, kinds = [], {k: [] for k in POINTS if POINTS[k] != "commit"}
+    rows, kinds = [], {k: [] for k in faults_of_a_plain_run()}
     ends: dict[str, tuple[bool, bool]] = {}  # per run: (model equal, tokens equal)
     t_all = time.monotonic()
     for (mode, world, async_), plan in zip(configs, plans, strict=True):
