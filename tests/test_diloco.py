@@ -474,8 +474,10 @@ def test_a_schedule_that_cannot_run_is_refused_in_one_line(overrides, line):
         ("fsdp", [], {}),
         # every rank holds the whole model: each sends and steps half of it
         ("ddp", [], {}),
+        # hybrid sharding, one rank a shard group: the replica group of two splits it
+        ("zero", ["mode.shard_group_size=1"], {}),
     ],
-    ids=["zero", "fsdp", "ddp"],
+    ids=["zero", "fsdp", "ddp", "zero_hybrid"],
 )  # fmt: skip
 def test_sharded_groups_of_two_ranks(tmp_path, lighthouse, mode, model, sim):
     """Two groups of two ranks (torchrun each), the mode sharding inside a group: each
@@ -492,9 +494,10 @@ def test_sharded_groups_of_two_ranks(tmp_path, lighthouse, mode, model, sim):
     a, b = final_model(tmp_path / "g0"), final_model(tmp_path / "g1")
     _equal(a, b)
     overrides = [*BASE, "optim.momentum=0.9", "optim.clip_grad_norm=0.5",
-                 *[m for m in model if not m.startswith("ft.")]]  # fmt: skip
+                 *[m for m in model if not m.startswith(("ft.", "mode."))]]  # fmt: skip
     _same_as(simulate(overrides, ranks=2, **sim), a, f"{mode}: 2 groups of 2 ranks")
-    if mode == "ddp":  # [Note: a group's ranks split what they all hold]: rank 0 sent half
+    if mode == "ddp" or "mode.shard_group_size=1" in model:  # [Note: a group's ranks split
+        # what they all hold]: each rank of the two holding the whole model sent half
         values = sum(t.numel() for t in a.values())
         sent = json.loads((tmp_path / "g0" / "final_metrics.json").read_text())
         per_sync = 4 * -(-values // 2) + 8  # its slice and the weight, 2(N-1)/N = 1

@@ -65,10 +65,11 @@ from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
 # zero and fsdp give rank r a shard of its own; ddp gives every rank of a group the whole
 # model. Synced as it is, each of a ddp group's P ranks would send the whole pseudo-
 # gradient across (P Ψ a group per sync over the one link between sites) and step the
-# same outer SGD. Instead, of each fragment's parameters that every rank of the group
-# holds (`ShardGroup.sharded` False, the mode's group: ddp's, not the experts'), laid end
-# to end, rank r sends and steps slice r only (`_Share`, ceil(n / P) values): Ψ / P values
-# across per rank, as in zero and fsdp. After its outer step the group's ranks AllGather
+# same outer SGD; so would the R ranks of a replica group under hybrid sharding (each
+# holding the same slice). Instead, of each fragment's dense values that R ranks hold alike
+# (ddp: all P; hybrid: the replica group; not the experts'), laid end to end, the j-th of
+# them sends and steps slice j only (`_Share`, ceil(n / R) values): Ψ / P values across
+# per rank, as in zero and fsdp. After its outer step the group's ranks AllGather
 # their slices of the global copy (and of the outer momentum and the error feedback), so
 # every rank holds all of them whole, as a checkpoint and a heal expect (ddp's rank 0
 # writes them); the outer step is elementwise, so it is the same arithmetic as stepping
@@ -160,17 +161,16 @@ class OuterState:
         self.engine, self.fragments, self.lr, self.momentum = engine, fragments, lr, momentum
         self.lossy = lossy  # error feedback for a bf16 or int8 wire
         self.local: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
-        held_by_all: set[int] = set()  # optimizer tensors every rank of the group holds
+        # [Note: a group's ranks split what they all hold]: the dense optimizer tensors
+        # (the mode's own groups, not the experts') and the ranks holding each the same
+        held_alike: set[int] = set()
         for g in engine.shard_groups():
             for piece in g.pieces:
                 self.local[fragment_of[piece.name]].append(piece.tensor)
-                if not g.sharded and g.group is None:
-                    held_by_all.add(id(piece.tensor))
-        # [Note: a group's ranks split what they all hold]
-        ranks, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-        self.shares = [
-            _Share([t for t in ts if id(t) in held_by_all], ranks, rank) for ts in self.local
-        ]
+                if g.group is None:
+                    held_alike.add(id(piece.tensor))
+        holders = _holders(engine)
+        self.shares = [_Share([t for t in ts if id(t) in held_alike], holders) for ts in self.local]
         # A fragment may hold nothing on this rank (zero cuts its buckets into contiguous
         # slices): rank r of every group holds the same, so each sends its empty Δ alike.
         self.device = engine.device
@@ -287,12 +287,28 @@ class OuterState:
                     state[ERROR].zero_()
 
 
+def _holders(engine: Any) -> tuple[Any, int, int]:
+    """(process group, its size, this rank's place in it) of the ranks of this group that
+    hold what this rank holds of the dense parameters: all of them in ddp, the replica
+    group of hybrid sharding ([Note: hybrid sharding] in groups.py), this rank alone where
+    each rank holds a slice of its own."""
+    if not dist.is_initialized():
+        return None, 1, 0
+    if not getattr(engine, "shards_parameters", True):  # ddp: every rank holds it all
+        return None, dist.get_world_size(), dist.get_rank()
+    mesh = getattr(engine, "mesh", None)
+    if mesh is None or mesh.replicate is None:
+        return None, 1, 0
+    return mesh.replicate, mesh.replicas, dist.get_rank(mesh.replicate)
+
+
 class _Share:
     """Rank `rank`'s slice of `held` (the optimizer tensors of a fragment every one of the
     group's `ranks` ranks holds), laid end to end: [Note: a group's ranks split what they
     all hold]."""
 
-    def __init__(self, held: list[torch.Tensor], ranks: int, rank: int) -> None:
+    def __init__(self, held: list[torch.Tensor], holders: tuple[Any, int, int]) -> None:
+        self.group, ranks, rank = holders
         self.ranks, self.offsets = ranks, {}
         total = 0
         for t in held:
@@ -321,7 +337,7 @@ class _Share:
             for k, kind in enumerate(kinds):
                 mine[k, o + r.start : o + r.stop] = by_id[id(t)][kind].view(-1)[r]
         every = torch.empty(self.ranks, len(kinds), self.chunk, device=mine.device)
-        all_gather(every.view(-1), mine.view(-1), tag="diloco_share").wait()
+        all_gather(every.view(-1), mine.view(-1), tag="diloco_share", group=self.group).wait()
         whole = every.transpose(0, 1).reshape(len(kinds), -1)
         for t in self.held:
             o = self.offsets[id(t)]

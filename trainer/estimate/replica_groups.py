@@ -33,8 +33,9 @@ from trainer.parallel import pieces
 #   ft.semi_sync (comm/diloco.py `_send`): every H/F steps one fragment (the model's
 #     units dealt strided, `fragments_of`) sends the pseudo-gradient of what the inner
 #     optimizer steps of it on this rank (zero, fsdp: the pieces of the rank's slices, no
-#     padding; ddp: rank r's ceil(n / P) slice of the fragment's n values laid end to end,
-#     [Note: a group's ranks split what they all hold], its experts whole). fp32 wire: an
+#     padding), each split over the R ranks that hold it alike ([Note: a group's ranks
+#     split what they all hold]: ddp's n values of a fragment over its P ranks, a hybrid
+#     rank's over its replica group of P / S; experts whole). fp32 wire: an
 #     AllReduce of those values and one float64 weight, 2(N-1)/N x (4 n + 8); bf16 wire:
 #     an AllGather of one row of 2 n + 4 bytes per group; int8 wire: one packed row
 #     (`quantized.row_bytes`, blocks of diloco.BLOCK, the weight exact); a rank sends its
@@ -114,19 +115,23 @@ def values_per_sync(
             )
         ]
     out = [0] * s.fragments
-    held_by_all = [0] * s.fragments  # ddp's dense values, split over the group's ranks
+    # the dense values R ranks hold alike, split over them (diloco.py's _Share): ddp's
+    # whole model over the P ranks, a hybrid slice over its replica group of P / S
+    alike = [0] * s.fragments
+    holders, place = (ranks, rank) if not p.sharded else (ranks // p.shard, rank // p.shard)
     for f in p.flat_buffers:
+        into = out if f.expert else alike
         if not p.sharded:  # one optimizer tensor per parameter, whole
             for name, shape in zip(f.names, f.layout.shapes, strict=True):
-                (out if f.expert else held_by_all)[fragment_of[name]] += shape.numel()
+                into[fragment_of[name]] += shape.numel()
             continue
         shard = torch.empty(f.layout.shard_size(p.shard_of(f)), device="meta")
         cut = pieces.cut(f.names, range(len(f.names)), f.layout, shard, p.group_rank(f, rank))
         for c in cut:
-            out[fragment_of[c.name]] += c.end - c.start
-    for i, n in enumerate(held_by_all):  # diloco.py's _Share: rank r's ceil(n / P) slice
-        chunk = -(-n // ranks)
-        out[i] += min(n, (rank + 1) * chunk) - min(n, rank * chunk)
+            into[fragment_of[c.name]] += c.end - c.start
+    for i, n in enumerate(alike):  # the place-th ceil(n / R) slice
+        chunk = -(-n // max(holders, 1))
+        out[i] += min(n, (place + 1) * chunk) - min(n, place * chunk)
     return out
 
 
@@ -169,9 +174,9 @@ def figures(
     """The busiest rank's bytes across groups and the link's seconds per sync ([Note:
     traffic across replica groups]), for groups of `world` ranks; `steps`: the run's,
     for its own average."""
-    # ranks alike every step; zero and fsdp differ by shard, ddp by its slice (rank 0's
-    # the largest)
-    ranks = range(p.shard) if s.semi_sync is not None else [0]
+    # ranks alike every step; fragment syncs differ by shard and by slice ([Note: a
+    # group's ranks split what they all hold])
+    ranks = range(max(world, p.shard)) if s.semi_sync is not None else [0]
     busiest: tuple[int, list[float]] | None = None
     for r in ranks:
         values = values_per_sync(p, s, fragment_of, r, world)
