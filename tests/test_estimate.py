@@ -704,3 +704,17 @@ def test_units_gathered_again_in_backward_mirror_the_forward():
     assert again("a", "b", "a", "b") == {2: 1, 3: 1}  # a looped model
     assert again("shared", "frozen", "shared") == {}  # not gathered again in forward
     assert again("shared", "a", "b") == {}
+
+
+def test_token_data_without_a_block_size_takes_the_models_window(tmp_path):
+    """data=token_file with data.block_size null: a run takes the model's window
+    (models/build.py), and so does the estimate's sample, rather than refusing."""
+    import numpy as np
+
+    from trainer.estimate.run import sample_of
+
+    (np.arange(4096, dtype=np.uint16) % 50).tofile(tmp_path / "tokens.bin")
+    args = ["model=gpt", "model.block_size=24", "data=token_file", "data.format=raw",
+            f"data.path={tmp_path / 'tokens.bin'}", "data.vocab_size=50", "mode=ddp"]  # fmt: skip
+    x, y = sample_of(compose_modes(args, 1)["ddp"])[:2]
+    assert x.shape[-1] == y.shape[-1] == 24

@@ -19,6 +19,7 @@ from trainer.errors import ConfigError
 from trainer.estimate import layout, replica_groups
 from trainer.estimate.activations import Activations, measure_passes
 from trainer.estimate.traffic import EXPOSED, Cluster, Sent, collectives, split, step_time
+from trainer.models.lm import positions
 from trainer.observe.metrics import PEAK_FLOPS
 from trainer.parallel import calls, experts
 from trainer.parallel.precision import Precision
@@ -318,6 +319,13 @@ def sample_of(cfg: DictConfig) -> tuple[torch.Tensor, ...]:
         if isinstance(e.__cause__, ConfigError):  # files missing: one line from trainer/data/
             raise e.__cause__ from None
         raise
+    if getattr(data, "block_size", 0) is None:  # token data: the model's window, as a run's
+        block = positions(build_meta(cfg))
+        if block is None:
+            raise ConfigError(
+                f"model {cfg.model.get('_target_')} gives no block size; set data.block_size"
+            )
+        data.block_size = block
     return tuple(torch.as_tensor(t) for t in data[0])
 
 
