@@ -201,6 +201,7 @@ def test_two_ranks_log_each_sources_tokens_and_resume_bitwise(tmp_path):
     assert [s for s, _ in logged["eval/loss/code"]] == [3, 6]
     charts = dict(dict(layout(whole))["training"])  # in TensorBoard's Custom Scalars too
     assert charts["tokens trained on, by mixed source"] == [r"^data/tokens/.+$"]
+    assert charts["held-out loss, by mixed source"] == [r"^eval/loss/.+$"]
 
     # resumed from step 3 in another run directory: the same model, bitwise
     resumed = tmp_path / "resumed"

@@ -76,9 +76,9 @@ def _charts() -> dict[str, list[Chart]]:
             ("gradient norm", [r"^train/grad_norm$"]),
             ("fp16 loss scale", [r"^train/loss_scale$"]),
             ("model FLOPs utilisation, %", [r"^perf/mfu_pct$"]),
-            # data.mix (trainer/data/mix.py); each source's eval/loss/<name> comes after the
-            # first figures that choose the charts: in the Scalars tab
+            # data.mix (trainer/data/mix.py)
             ("tokens trained on, by mixed source", [r"^data/tokens/.+$"]),
+            ("held-out loss, by mixed source", [r"^eval/loss/.+$"]),
         ],
         MEMORY: memory,
         COMM: [
@@ -97,6 +97,11 @@ def _charts() -> dict[str, list[Chart]]:
     }
 
 
+# Charts of figures the first logged ones cannot have yet, shown with those they come with:
+# each source's held-out loss, logged at the first evaluation, with the mix's token counts
+_SHOWN_WITH = {"held-out loss, by mixed source": [r"^data/tokens/.+$"]}
+
+
 def run_layout(tags: Iterable[str]) -> dict[str, dict[str, list]]:
     """The layout for a run logging `tags`, in SummaryWriter.add_custom_scalars' form:
     {category: {chart title: ["Multiline", [tag regexes]]}}, only the charts some logged
@@ -107,7 +112,7 @@ def run_layout(tags: Iterable[str]) -> dict[str, dict[str, list]]:
         shown = {
             title: ["Multiline", regexes]
             for title, regexes in charts
-            if any(re.search(rx, t) for rx in regexes for t in tags)
+            if any(re.search(rx, t) for rx in [*regexes, *_SHOWN_WITH.get(title, [])] for t in tags)
         }
         if shown:
             layout[category] = shown
