@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,22 +215,37 @@ def test_a_sharded_group_heals_shard_by_shard(tmp_path, lighthouse, reference, m
     _same_as(reference, a, f"{mode}, healed shard by shard")
 
 
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory) -> SimpleNamespace:
+    """min_groups=2 and group 1 killed after step 5, gone for good: group 0 stops after
+    ft.stall_timeout_s with a checkpoint of its last step. (Its run directory `dir / g0`,
+    its exit code and log.)"""
+    from ft_harness import Lighthouse
+
+    d = tmp_path_factory.mktemp("stalled")
+    lh = Lighthouse(min_replicas=1)
+    try:
+        args = ["ft.min_groups=2", "ft.stall_timeout_s=3"]
+        g0 = _run(d, lh, 0, args)
+        g1 = _run(d, lh, 1, args, env={"SHARDTRAIN_FAULT": "0:5:kill"})
+        _done(g1)
+        log0 = _done(g0)
+    finally:
+        lh.close()
+    return SimpleNamespace(dir=d, code=g0.returncode, log=log0)
+
+
 def test_too_few_groups_for_too_long_stops_with_a_checkpoint_a_plain_run_resumes(
-    tmp_path, lighthouse, reference
+    tmp_path, stalled, reference
 ):
     """min_groups=2 and group 1 gone for good: group 0 stops after ft.stall_timeout_s with
     a checkpoint of its last step, which a run without ft resumes as any checkpoint, to
     the end one process reaches."""
-    lh = lighthouse(min_replicas=1)
-    args = ["ft.min_groups=2", "ft.stall_timeout_s=3"]
-    g0 = _run(tmp_path, lh, 0, args)
-    g1 = _run(tmp_path, lh, 1, args, env={"SHARDTRAIN_FAULT": "0:5:kill"})
-    _done(g1)
-    log0 = _done(g0)
-    assert g0.returncode == 1, log0[-3000:]
+    log0 = stalled.log
+    assert stalled.code == 1, log0[-3000:]
     assert "error: ft: 1 of 2 replica groups alive for" in log0, log0[-2000:]
     assert "longer than ft.stall_timeout_s=3 (ft.min_groups=2): stopping" in log0
-    saved = tmp_path / "g0" / "checkpoints" / "step_000005"
+    saved = stalled.dir / "g0" / "checkpoints" / "step_000005"
     assert (saved / "COMPLETE").exists(), log0[-2000:]
     r = subprocess.run(
         [sys.executable, "train.py", *BASE, f"resume={saved}", f"hydra.run.dir={tmp_path}/plain"],
@@ -249,7 +265,7 @@ def _wait_for(p: subprocess.Popen, line: str, timeout: float = 120) -> None:
 
 @pytest.mark.slow
 def test_a_group_started_afresh_while_the_run_was_down_heals_from_the_runs_checkpoint(
-    tmp_path, lighthouse, reference
+    tmp_path, lighthouse, stalled, reference
 ):
     """[Note: a group's origin]. Both groups go down: group 1 killed after step 5, group 0
     stopped by the stall with its checkpoint of step 5 (only the lowest group writes them).
@@ -260,11 +276,8 @@ def test_a_group_started_afresh_while_the_run_was_down_heals_from_the_runs_check
     data or the schedule they would not). Instead group 0 keeps its model, group 1 drops its
     steps and heals from group 0 at step 5, and both end where one process does."""
     lh = lighthouse(min_replicas=1)
-    first = _run(tmp_path, lh, 0, ["ft.min_groups=2", "ft.stall_timeout_s=3"])
-    killed = _run(tmp_path, lh, 1, ["ft.min_groups=2"], env={"SHARDTRAIN_FAULT": "0:5:kill"})
-    _done(killed)
-    log = _done(first)
-    assert first.returncode == 1 and "stopping" in log, log[-3000:]
+    assert stalled.code == 1 and "stopping" in stalled.log, stalled.log[-3000:]
+    shutil.copytree(stalled.dir / "g0", tmp_path / "g0")  # group 0's run, down at step 5
     assert (tmp_path / "g0" / "checkpoints" / "step_000005" / "COMPLETE").exists()
     go = tmp_path / "go"
     pause = {"SHARDTRAIN_FAULT": "0:8:pause", "SHARDTRAIN_FAULT_PAUSE_UNTIL": str(go)}
