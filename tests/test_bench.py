@@ -214,6 +214,35 @@ def test_bench_prepare_harness(tmp_path: Path, monkeypatch) -> None:
     assert got["wall_s"] >= 1.0
 
 
+def test_diloco_quality_harness(tmp_path: Path) -> None:
+    """scripts/benchmarks/diloco_quality.py without its processes: the options it refuses,
+    the runs a sweep picks up where it stopped (a finished one is read back, not run), and
+    the table (each cell the loss and its ratio to per-step sync)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import diloco_quality as dq
+
+    text = tmp_path / "input.txt"
+    text.write_text("to be or not to be\n" * 50)
+    with pytest.raises(SystemExit):
+        dq.parse_args(["--input", str(text), "--groups", "5"])  # 5 does not divide 12
+    with pytest.raises(SystemExit):
+        dq.parse_args(["--input", str(tmp_path / "missing.txt")])
+    a = dq.parse_args(["--input", str(text), "--work", str(tmp_path / "w"),
+                       "--sync-steps", "10,50", "--outer-lrs", "0.5,1.0"])  # fmt: skip
+    assert a.sync_steps == [10, 50] and a.outer_lrs == [0.5, 1.0]
+    done = tmp_path / "w" / "h10_lr0.5"
+    (done / "g0").mkdir(parents=True)
+    (done / "g0" / "final_metrics.json").write_text("{}")
+    (done / "result.json").write_text(json.dumps({"val_loss": 2.0, "codes": [0] * 4}))
+    assert dq.one_run(a, tmp_path, "h10_lr0.5", [])["val_loss"] == 2.0  # not run again
+    results = {"per step": {"val_loss": 2.0}}
+    for h, lr, v in [(10, 0.5, 2.0), (10, 1.0, 1.9), (50, 0.5, 2.2), (50, 1.0, None)]:
+        results[f"H={h} lr={lr:g}"] = {"val_loss": v}
+    table = dq.table(a, results)
+    assert "| 0.5 | 2.0000 (1.000) | 2.2000 (1.100) |" in table
+    assert "| 1 | 1.9000 (0.950) | failed |" in table
+
+
 def test_no_user_tool_imports_a_benchmark() -> None:
     """The tools of scripts/ stand alone; the benchmarks of scripts/benchmarks/ may use them,
     not the other way round (read from the sources: nothing is imported or run)."""
