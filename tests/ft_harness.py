@@ -84,3 +84,11 @@ def finished(p: subprocess.Popen, timeout: float = 120) -> str:
 
 def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "final_model.pt", map_location="cpu", weights_only=True)
+
+
+def wait_for_line(p: subprocess.Popen, line: str, timeout: float = 120) -> None:
+    """Until the running job `p` (start_group's) has written `line` to its log."""
+    end = time.monotonic() + timeout
+    while line not in p.log.read_text():
+        assert p.poll() is None and time.monotonic() < end, p.log.read_text()[-3000:]
+        time.sleep(0.1)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import copy
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from ft_harness import Lighthouse, final_model, finished, start_group
+from ft_harness import Lighthouse, final_model, finished, start_group, wait_for_line
 
 torchft = pytest.importorskip("torchft", reason="torchft is in make install's extras")
 ROOT = Path(__file__).resolve().parents[1]
@@ -352,14 +351,6 @@ def test_a_group_back_mid_run_heals_with_the_outer_state(tmp_path, lighthouse):
     _same_as(want, a, "group 1 healed at step 8")
 
 
-def _wait_for(p, line: str, timeout: float = 120) -> None:
-    """Until the running job `p` has written `line` to its log."""
-    end = time.monotonic() + timeout
-    while line not in p.log.read_text():
-        assert p.poll() is None and time.monotonic() < end, p.log.read_text()[-3000:]
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_a_group_started_afresh_never_overwrites_the_runs_global_copy(tmp_path, lighthouse):
     """[Note: a group's origin] in trainer/comm/replicas.py. Both groups killed after step
@@ -390,9 +381,9 @@ def test_a_group_started_afresh_never_overwrites_the_runs_global_copy(tmp_path, 
     pause = {"SHARDTRAIN_FAULT": "0:8:pause", "SHARDTRAIN_FAULT_PAUSE_UNTIL": str(go)}
     alone = ["ft.min_groups=1", "ft.join_timeout_s=0.1"]
     fresh = start_group(tmp_path, lh.address, 1, [*args, *alone], env=pause)
-    _wait_for(fresh, "fault: rank 0 pauses after step 8")
+    wait_for_line(fresh, "fault: rank 0 pauses after step 8")
     back = start_group(tmp_path, lh.address, 0, [*args, "ft.min_groups=2", "resume=auto"])
-    _wait_for(back, "at step 4")  # resumed: its quorum is next
+    wait_for_line(back, "at step 4")  # resumed: its quorum is next
     go.touch()
     log1, log0 = finished(fresh), finished(back)
     assert fresh.returncode == 0, log1[-3000:]

@@ -23,7 +23,7 @@ import torch
 from ft_harness import clean_env as _env
 from ft_harness import final_model as _final
 from ft_harness import finished as _done
-from ft_harness import start_group
+from ft_harness import start_group, wait_for_line
 
 from trainer.comm.replicas import slots_of
 
@@ -255,14 +255,6 @@ def test_too_few_groups_for_too_long_stops_with_a_checkpoint_a_plain_run_resumes
     _same_as(reference, _final(tmp_path / "plain"), "ft checkpoint resumed without ft")
 
 
-def _wait_for(p: subprocess.Popen, line: str, timeout: float = 120) -> None:
-    """Until the running job `p` has written `line` to its log."""
-    end = time.monotonic() + timeout
-    while line not in p.log.read_text():
-        assert p.poll() is None and time.monotonic() < end, p.log.read_text()[-3000:]
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_a_group_started_afresh_while_the_run_was_down_heals_from_the_runs_checkpoint(
     tmp_path, lighthouse, stalled, reference
@@ -282,9 +274,9 @@ def test_a_group_started_afresh_while_the_run_was_down_heals_from_the_runs_check
     go = tmp_path / "go"
     pause = {"SHARDTRAIN_FAULT": "0:8:pause", "SHARDTRAIN_FAULT_PAUSE_UNTIL": str(go)}
     fresh = _run(tmp_path, lh, 1, ["ft.min_groups=1", "ft.join_timeout_s=0.1"], env=pause)
-    _wait_for(fresh, "fault: rank 0 pauses after step 8")
+    wait_for_line(fresh, "fault: rank 0 pauses after step 8")
     back = _run(tmp_path, lh, 0, ["ft.min_groups=2", "resume=auto"])
-    _wait_for(back, "at step 5")  # resumed: its quorum is next
+    wait_for_line(back, "at step 5")  # resumed: its quorum is next
     go.touch()
     log1, log0 = _done(fresh), _done(back)
     assert fresh.returncode == 0, log1[-3000:]
