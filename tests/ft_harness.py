@@ -92,3 +92,24 @@ def wait_for_line(p: subprocess.Popen, line: str, timeout: float = 120) -> None:
     while line not in p.log.read_text():
         assert p.poll() is None and time.monotonic() < end, p.log.read_text()[-3000:]
         time.sleep(0.1)
+
+
+def fresh_then_back(
+    run_dir: Path, lighthouse: str, args: Sequence[str], resumed_at: int
+) -> tuple[str, str]:
+    """[Note: a group's origin]'s case: group 1 started afresh alone (no checkpoint of its
+    own), held in the quorum after its step 8; then group 0 back from its checkpoint of step
+    `resumed_at` under `run_dir`/g0; then group 1 let go. Both must end well: their logs
+    (group 1's, group 0's)."""
+    go = run_dir / "go"
+    pause = {"SHARDTRAIN_FAULT": "0:8:pause", "SHARDTRAIN_FAULT_PAUSE_UNTIL": str(go)}
+    alone = ["ft.min_groups=1", "ft.join_timeout_s=0.1"]
+    fresh = start_group(run_dir, lighthouse, 1, [*args, *alone], env=pause)
+    wait_for_line(fresh, "fault: rank 0 pauses after step 8")
+    back = start_group(run_dir, lighthouse, 0, [*args, "ft.min_groups=2", "resume=auto"])
+    wait_for_line(back, f"at step {resumed_at}")  # resumed: its quorum is next
+    go.touch()
+    logs = finished(fresh), finished(back)
+    for p, log in zip((fresh, back), logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    return logs

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ft_harness import Lighthouse, final_model, finished, start_group, wait_for_line
+from ft_harness import Lighthouse, final_model, finished, fresh_then_back, start_group
 
 torchft = pytest.importorskip("torchft", reason="torchft is in make install's extras")
 ROOT = Path(__file__).resolve().parents[1]
@@ -377,17 +377,7 @@ def test_a_group_started_afresh_never_overwrites_the_runs_global_copy(tmp_path, 
         assert p.returncode == -signal.SIGKILL, log[-3000:]
     assert (tmp_path / "g0" / "checkpoints" / "step_000004" / "COMPLETE").exists()
     assert not list((tmp_path / "g1").glob("checkpoints/step_*"))
-    go = tmp_path / "go"
-    pause = {"SHARDTRAIN_FAULT": "0:8:pause", "SHARDTRAIN_FAULT_PAUSE_UNTIL": str(go)}
-    alone = ["ft.min_groups=1", "ft.join_timeout_s=0.1"]
-    fresh = start_group(tmp_path, lh.address, 1, [*args, *alone], env=pause)
-    wait_for_line(fresh, "fault: rank 0 pauses after step 8")
-    back = start_group(tmp_path, lh.address, 0, [*args, "ft.min_groups=2", "resume=auto"])
-    wait_for_line(back, "at step 4")  # resumed: its quorum is next
-    go.touch()
-    log1, log0 = finished(fresh), finished(back)
-    assert fresh.returncode == 0, log1[-3000:]
-    assert back.returncode == 0, log0[-3000:]
+    log1, log0 = fresh_then_back(tmp_path, lh.address, args, resumed_at=4)
     assert "group 0: healed" not in log0, log0[-3000:]
     assert "group 0: not healed from a group at step 10 (started afresh at" in log0, log0[-3000:]
     assert "Its 10 steps are dropped" in log1, log1[-3000:]
