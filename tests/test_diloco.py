@@ -388,18 +388,24 @@ def test_a_group_started_afresh_never_overwrites_the_runs_global_copy(tmp_path, 
 
 
 # inner momentum 0: torch's SGD keeps no state of its own, the outer tensors are all of it;
-# int8: the error feedback too (a resumed run's first lossy sync once failed on it)
-@pytest.mark.parametrize("momentum, wire", [(0.9, "fp32"), (0.0, "fp32"), (0.9, "int8")])
+# int8: the error feedback too (a resumed run's first lossy sync once failed on it);
+# delay 3: the checkpoint of step 5 is written while the sync sent after step 5 is in
+# flight (due after step 8), so the resumed group sends it again
+@pytest.mark.parametrize(
+    "momentum, wire, delay",
+    [(0.9, "fp32", 0), (0.0, "fp32", 0), (0.9, "int8", 0), (0.9, "int8", 3)],
+)
 def test_a_checkpoint_holds_the_global_copy_and_the_outer_state(
-    tmp_path, lighthouse, momentum, wire
+    tmp_path, lighthouse, momentum, wire, delay
 ):
     """One group, killed after step 6 mid-round (checkpoint of step 5) and resumed: the
-    global copy, the outer momentum (the error feedback) and the round's position come
-    back with the checkpoint, so the run ends bitwise where the uninterrupted one does."""
+    global copy, the outer momentum (the error feedback, the sync in flight) and the
+    round's position come back with the checkpoint, so the run ends bitwise where the
+    uninterrupted one does."""
     lh = lighthouse(min_replicas=1)
     args = [*BASE, "ft.enabled=true", "ft.replica_groups=1", "ft.heartbeat_ms=50", "ckpt.every=5",
             "ft.semi_sync=diloco", "ft.sync_steps=4", f"optim.momentum={momentum}",
-            f"ft.pseudo_grad_dtype={wire}"]  # fmt: skip
+            f"ft.pseudo_grad_dtype={wire}", f"ft.fragment_sync_delay={delay}"]  # fmt: skip
     whole = start_group(tmp_path / "whole", lh.address, 0, args)
     assert finished(whole) and whole.returncode == 0
     cut = start_group(tmp_path / "cut", lh.address, 0, args, env={"SHARDTRAIN_FAULT": "0:6:kill"})
@@ -453,8 +459,9 @@ def test_a_schedule_that_cannot_run_is_refused_in_one_line(overrides, line):
         ("zero", ["model=gpt", "data=tokens", "model.n_embd=32", "ft.fragments=2",
                   "ft.fragment_sync_delay=1"], {"fragments": 2, "delay": 1}),
         ("fsdp", [], {}),
-        # every rank holds the whole model: each sends and steps half of it
-        ("ddp", [], {}),
+        # every rank holds the whole model: each sends and steps half of it (and keeps
+        # the whole Δ in flight for a checkpoint: [Note: a checkpoint with a sync in flight])
+        ("ddp", ["ft.fragment_sync_delay=1"], {"delay": 1}),
         # hybrid sharding, one rank a shard group: the replica group of two splits it
         ("zero", ["mode.shard_group_size=1"], {}),
     ],

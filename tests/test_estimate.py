@@ -413,7 +413,10 @@ def test_two_replica_groups_count_what_the_estimate_says(tmp_path):
     after it is sent: fragment 0 after steps 1 and 5, fragment 1 after step 3, and at the
     last step fragment 1 again (fragment 0's sync, in flight, is applied there). The
     bytes the run counts across groups over its one logging interval (final_metrics.json
-    of each group) are the estimate's average over the run, to the byte."""
+    of each group) are the estimate's average over the run, to the byte, and so is the
+    optimizer's state with the outer tensors in it (SGD's momentum, the global copy, the
+    outer momentum, the int8 wire's error feedback, the pseudo-gradient in flight: 20
+    bytes a value)."""
     pytest.importorskip("torchft", reason="torchft is in make install's extras")
     from ft_harness import Lighthouse, finished, start_group
 
@@ -440,6 +443,8 @@ def test_two_replica_groups_count_what_the_estimate_says(tmp_path):
         assert (
             final["comm/bytes_per_step/ft_across_replica_groups"] == (a["bytes_per_step_over_run"])
         ), g
+        optimizer = est["model_state_by_kind"]["optimizer"]
+        assert final["memory/optimizer_MiB/max"] * 2**20 == optimizer == 20 * est["params"], g
     assert est["micro_batch"] == 16 // 2  # the batch is cut over both groups
 
 
@@ -483,6 +488,22 @@ def test_bytes_and_seconds_across_replica_groups():
     s = replica_groups.Schedule(n, "diloco", 2, 2, 0, "fp32")
     assert replica_groups.run_syncs(8, s) == [0, 1, 0, 1, 0]
     assert replica_groups.run_syncs(3, s) == [0, 0, 1]  # none applied at step 3: both
+
+    # the outer state in the optimizer's column, per value of the rank's slice (Ψ/P):
+    # the global copy, the outer momentum, a lossy wire's error, the sync in flight
+    def optimizer(*overrides: str) -> int:
+        cfgs = compose_modes(["mode=zero", "ft.sync_steps=10", *overrides], p, n)
+        return estimate(cfgs, c, DEVICE, params=psi)["zero"]["model_state_by_kind"]["optimizer"]
+
+    plain = optimizer()
+    for more, extra in [
+        (4, ["ft.semi_sync=local_sgd"]),
+        (4, ["ft.semi_sync=diloco", "ft.outer_momentum=0"]),
+        (8, ["ft.semi_sync=diloco"]),
+        (12, ["ft.semi_sync=diloco", "ft.pseudo_grad_dtype=bf16"]),
+        (16, ["ft.semi_sync=diloco", "ft.pseudo_grad_dtype=int8", "ft.fragment_sync_delay=1"]),
+    ]:
+        assert optimizer(*extra) - plain == more * psi // p, extra
 
 
 def test_moe_flops_count_the_top_k_experts_as_torch_counts_them():

@@ -55,12 +55,15 @@ from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
 
 # [Note: outer state in the optimizer's state]
 # The global copy and the outer momentum of an optimizer tensor t are
-# `optimizer.state[t]["outer_global"]` and `["outer_momentum"]` (and `["outer_error"]`
-# with a lossy wire): per-element tensors shaped like t, so the checkpoint code saves
-# and re-cuts them by ranges, a heal sends them with the rest of the optimizer's state,
-# and the memory monitor counts them. They are put there after t's first inner step
-# (torch's optimizers build their own state when it is empty); until then they are kept
-# aside. After any load (a resume, a heal) they are bound again (`OuterState.bind`).
+# `optimizer.state[t]["outer_global"]` and `["outer_momentum"]` (diloco with an outer
+# momentum above 0; and `["outer_error"]` with a lossy wire): per-element fp32 tensors
+# shaped like t, so the checkpoint code saves and re-cuts them by ranges, a heal sends
+# them with the rest of the optimizer's state, the memory monitor counts them and the
+# estimator plans them (`replica_groups.outer_bytes_per_value`). They are put there
+# after t's first inner step (torch's optimizers build their own state when it is
+# empty); until then they are kept aside. After any load (a resume, a heal) they are
+# bound again (`OuterState.bind`). With tau > 0 a fourth rides along: [Note: a
+# checkpoint with a sync in flight].
 # [Note: a group's ranks split what they all hold]
 # zero and fsdp give rank r a shard of its own; ddp gives every rank of a group the whole
 # model. Synced as it is, each of a ddp group's P ranks would send the whole pseudo-
@@ -74,7 +77,21 @@ from trainer.parallel.units import DEFAULT_UNIT_CLASSES, plan_units
 # every rank holds all of them whole, as a checkpoint and a heal expect (ddp's rank 0
 # writes them); the outer step is elementwise, so it is the same arithmetic as stepping
 # it whole. Expert parameters (their own groups) are sent whole by their holders.
+# [Note: a checkpoint with a sync in flight]
+# With tau > 0 a fragment's sync is in flight for tau steps, and a checkpoint may fall
+# among them. The pseudo-gradient it sent cannot be computed again from what the
+# checkpoint holds (the local copy has moved on), so with tau > 0 it is kept as one
+# more per-element tensor, `["outer_in_flight"]` (4 bytes a value; a ddp group's ranks
+# AllGather their slices of it at the send, as rank 0 writes the optimizer's state).
+# The error feedback is written at the apply, not the send, so that a checkpoint holds
+# the error before the send; and the sync itself (fragment, step due, weight, mix) and
+# each fragment's slots trained since its send are a stateful of the checkpoint
+# (`Flight`). A resumed group sends the kept sync again at its first quorum: the same
+# bytes, so one group resumed ends bitwise where the uninterrupted run does (a group
+# healing there joins it with nothing, as at any sync). A checkpoint written by a stall
+# inside a sync holds it too, sent again and applied at once on resume.
 GLOBAL, MOMENTUM, ERROR = "outer_global", "outer_momentum", "outer_error"
+IN_FLIGHT = "outer_in_flight"
 BLOCK = 256  # values per int8 block (one fp32 scale each), as the in-group int8 wire
 
 
@@ -157,9 +174,12 @@ class OuterState:
         lr: float,
         momentum: float,
         lossy: bool,
+        keeps_sent: bool = False,
     ) -> None:
         self.engine, self.fragments, self.lr, self.momentum = engine, fragments, lr, momentum
         self.lossy = lossy  # error feedback for a bf16 or int8 wire
+        # [Note: a checkpoint with a sync in flight]: the pseudo-gradient sent (tau > 0)
+        self.keeps_sent = keeps_sent
         self.local: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
         # [Note: a group's ranks split what they all hold]: the dense optimizer tensors
         # (the mode's own groups, not the experts') and the ranks holding each the same
@@ -181,6 +201,7 @@ class OuterState:
         self.stepped: list[list[torch.Tensor]] = []  # the outer SGD's: views of the globals
         self.states: list[list[dict[str, torch.Tensor]]] = []
         self.errors: list[list[torch.Tensor]] = []  # views: this rank's range of each
+        self.in_flight: list[list[torch.Tensor]] = []  # views: this rank's range of each
         self.outer: list[torch.optim.SGD] = []
 
     def _state(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -193,14 +214,29 @@ class OuterState:
         if state:  # the optimizer built its own state: ours rides along
             if GLOBAL not in state:
                 state.update(self.aside.pop(id(t), None) or self._fresh(t))
+            elif any(k not in state for k in self._kinds()):  # a checkpoint without one
+                for k, v in self._fresh(t).items():
+                    state.setdefault(k, v)
             return state
         return self.aside.setdefault(id(t), self._fresh(t))
 
     def _fresh(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        fresh = {GLOBAL: t.detach().clone(), MOMENTUM: torch.zeros_like(t)}
+        fresh = {GLOBAL: t.detach().clone()}
+        if self.momentum > 0:  # local_sgd and an outer momentum of 0 keep no buffer
+            fresh[MOMENTUM] = torch.zeros_like(t)
         if self.lossy:
             fresh[ERROR] = torch.zeros_like(t)
+        if self.keeps_sent:
+            fresh[IN_FLIGHT] = torch.zeros_like(t)
         return fresh
+
+    def _kinds(self) -> list[str]:
+        return (
+            [GLOBAL]
+            + [MOMENTUM] * (self.momentum > 0)
+            + [ERROR] * self.lossy
+            + [IN_FLIGHT] * self.keeps_sent
+        )
 
     def bind(self, fresh: bool = False) -> None:
         """(Re)build the outer optimizers on the outer tensors where they now live (after
@@ -208,7 +244,7 @@ class OuterState:
         dropped and taken anew from the parameters as they are now."""
         if fresh:
             self.aside.clear()
-        self.globals, self.errors, self.outer = [], [], []
+        self.globals, self.errors, self.in_flight, self.outer = [], [], [], []
         self.sent, self.stepped, self.states = [], [], []
         for f in range(self.fragments):
             states = [self._state(t) for t in self.local[f]]
@@ -230,6 +266,8 @@ class OuterState:
             self.states.append(states)
             errors = [states[i][ERROR].view(-1)[r] for i, r in sent] if self.lossy else []
             self.errors.append(errors)
+            kept = [states[i][IN_FLIGHT].view(-1)[r] for i, r in sent] if self.keeps_sent else []
+            self.in_flight.append(kept)
             self.outer.append(sgd)
 
     def settle(self) -> None:
@@ -248,6 +286,23 @@ class OuterState:
 
     def error(self, f: int) -> torch.Tensor:
         return _flat([e.reshape(-1) for e in self.errors[f]], self.device)
+
+    @torch.no_grad()
+    def keep_sent(self, f: int, delta: torch.Tensor) -> None:
+        """Keep the pseudo-gradient fragment f sends until it is applied ([Note: a
+        checkpoint with a sync in flight]); every rank of a group that splits it holds
+        the whole."""
+        if not self.keeps_sent:
+            return
+        offset = 0
+        for kept in self.in_flight[f]:
+            kept.copy_(delta[offset : offset + kept.numel()])
+            offset += kept.numel()
+        self.shares[f].gather(self.states[f], self.local[f], [IN_FLIGHT])
+
+    def kept_sent(self, f: int) -> torch.Tensor:
+        """The pseudo-gradient `keep_sent` kept of fragment f, flat (a new tensor)."""
+        return _flat([k.reshape(-1) for k in self.in_flight[f]], self.device).clone()
 
     @torch.no_grad()  # views of state a checkpoint's load made without grad mode
     def set_error(self, f: int, flat: torch.Tensor) -> None:
@@ -394,10 +449,13 @@ class SemiSyncReplicas(FaultTolerantReplicas):
         else:
             lr, momentum = float(ft.outer_lr), float(ft.outer_momentum)
         self.outer = OuterState(
-            engine, fragment_of, self.fragments, lr, momentum, lossy=self.wire != "fp32"
-        )
+            engine, fragment_of, self.fragments, lr, momentum, lossy=self.wire != "fp32",
+            keeps_sent=self.delay > 0,
+        )  # fmt: skip
         self.slots: tuple[int, ...] | None = None  # dealt at the last quorum
-        self.trained = [0] * self.fragments  # slots trained since each one's last send
+        # slots trained since each fragment's last send, and the sync in flight: a
+        # stateful of the checkpoint ([Note: a checkpoint with a sync in flight])
+        self.flight = Flight([0] * self.fragments)
         self.in_flight: _Sync | None = None
         self.applied: tuple[int, set[int]] = (0, set())  # (step, fragments applied then)
         # the sync this group is about to send (fragment, step due), sent with a heal: a
@@ -406,6 +464,9 @@ class SemiSyncReplicas(FaultTolerantReplicas):
         self.joins: tuple[int, int] | None = None  # the peer's `next`, from a heal
         self.moved_to: int | None = None  # the step a heal brought this group to
         self.wait_s, self.steps_seen = 0.0, 0  # waited on the link, since the last log
+
+    def checkpointed(self) -> dict[str, Any]:
+        return {**super().checkpointed(), "ft_in_flight": self.flight}
 
     def figures(self) -> dict[str, float]:
         per_step = 1e3 * self.wait_s / max(self.steps_seen, 1)
@@ -416,9 +477,19 @@ class SemiSyncReplicas(FaultTolerantReplicas):
     def start_step(self, step: int) -> StepPlan:
         if self.slots is None:  # this process's first step: join the groups
             self.outer.bind(fresh=True)  # a resumed checkpoint's outer state, if it has one
-            self.trained = [self._since_send(f, step - 1) for f in range(self.fragments)]
-            self.next = None
-            self._quorum(step - 1)
+            if not self.flight.loaded:  # a start, or a checkpoint without them
+                self.flight.trained = [self._since_send(f, step - 1) for f in range(self.fragments)]
+            # [Note: a checkpoint with a sync in flight]: announced, so that a group
+            # healing at this quorum joins it
+            kept, self.flight.sync = self.flight.sync, None
+            if kept is not None and not self.outer.keeps_sent:  # tau = 0: a stall inside
+                self.flight.trained[kept["fragment"]] += int(kept["weight"])  # a sync left
+                kept = None  # it, and kept nothing to send again: it goes with the next
+            self.next = None if kept is None else (kept["fragment"], kept["due"])
+            if not self._quorum(step - 1) and kept is not None:
+                self._send(step - 1, kept["fragment"], kept["due"], kept["alpha"], kept)
+                if self.in_flight.due <= step - 1:  # written by a stall inside the sync
+                    self._finish(step - 1)
             if self.moved_to is not None:
                 step = self.moved_to + 1
         return StepPlan(step, self.slots)
@@ -460,7 +531,7 @@ class SemiSyncReplicas(FaultTolerantReplicas):
         self.steps_seen += 1
         self.outer.settle()
         for f in range(self.fragments):
-            self.trained[f] += len(self.slots)
+            self.flight.trained[f] += len(self.slots)
         k, rest = divmod(step + self.delay, self.every)
         if rest == 0 and k >= 1:
             self._sync(step, (k - 1) % self.fragments, step + self.delay)
@@ -482,7 +553,7 @@ class SemiSyncReplicas(FaultTolerantReplicas):
 
     def _since_send(self, f: int, done: int) -> int:
         """Slots fragment f trained since its last send, for a group resumed at step
-        `done`: one a step (who took whose slots before a restart is not kept)."""
+        `done` from a checkpoint that did not count them (`Flight`): one a step."""
         first = (f + 1) * self.every - self.delay  # sends: first, first + H, ...
         if done < first:
             return done
@@ -510,8 +581,8 @@ class SemiSyncReplicas(FaultTolerantReplicas):
         self.moved_to = self.healed_at
         self.outer.bind()  # the peer's outer tensors, loaded with the optimizer's state
         self.outer.take_global()
-        self.trained = [0] * self.fragments
-        self.in_flight = None  # a sync of its own, behind its peers': theirs holds it
+        self.flight.trained = [0] * self.fragments
+        self.in_flight = self.flight.sync = None  # its own, behind its peers': theirs holds it
         self.engine.params_from_masters()
         self.next = self.joins
         if self.joins is None:  # the peers are not about to send (a start, a resume):
@@ -529,12 +600,21 @@ class SemiSyncReplicas(FaultTolerantReplicas):
         if not self.refused:  # [Note: a group's origin]: a younger peer's was not loaded
             self.joins = sent.get("joins")
 
-    def _send(self, step: int, f: int, due: int, alpha: float | None = None) -> None:
-        """Launch the sync of fragment f: Σ w Δ and Σ w over the quorum."""
-        weight = float(self.trained[f])
-        delta = self.outer.pseudo_gradient(f)
+    def _send(
+        self, step: int, f: int, due: int, alpha: float | None = None, kept: dict | None = None
+    ) -> None:
+        """Launch the sync of fragment f: Σ w Δ and Σ w over the quorum; `kept`: the one
+        a checkpoint held in flight, sent again ([Note: a checkpoint with a sync in
+        flight])."""
+        if kept is None:
+            weight = float(self.flight.trained[f])
+            delta = self.outer.pseudo_gradient(f)
+            self.outer.keep_sent(f, delta)
+        else:
+            weight, delta = float(kept["weight"]), self.outer.kept_sent(f)
+        self.flight.sync = {"fragment": f, "due": due, "weight": weight, "alpha": alpha}
         n = self.manager.num_participants()
-        kept = self.outer.error(f).clone() if self.outer.lossy else None  # a retry's
+        error = None  # a lossy wire's error feedback after this send, written at the apply
         if self.wire == "fp32":
             delta.mul_(weight)
             weights = torch.tensor([weight], dtype=torch.float64, device=delta.device)
@@ -545,7 +625,7 @@ class SemiSyncReplicas(FaultTolerantReplicas):
             stats.bytes_sent["ft_across_replica_groups"] += ring * (delta.numel() * 4 + 8)
             gathered = None
         else:
-            row = self._packed(f, delta, weight)
+            row, error = self._packed(f, delta, weight)
             gathered = [torch.empty_like(row) for _ in range(n)]
             works = []
             if self.manager.errored() is None:
@@ -555,25 +635,26 @@ class SemiSyncReplicas(FaultTolerantReplicas):
                     self.manager.report_error(e)
             stats.bytes_sent["ft_across_replica_groups"] += (n - 1) * row.numel()
             weights = None
-        self.in_flight = _Sync(f, due, weight, alpha, delta, weights, works, gathered, kept)
-        self.trained[f] = 0
+        self.in_flight = _Sync(f, due, weight, alpha, delta, weights, works, gathered, error)
+        if kept is None:
+            self.flight.trained[f] = 0
         faults.fault("sync", step)  # [Note: fault injection]: kill_in_sync
 
-    def _packed(self, f: int, delta: torch.Tensor, weight: float) -> torch.Tensor:
+    def _packed(
+        self, f: int, delta: torch.Tensor, weight: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One row of uint8: Δ on the lossy wire, error feedback carried across syncs,
-        and the weight exact. bf16 travels as its 2 bytes a value, int8 as blocks with a
-        scale each ([Note: int8 blocks] in quantized.py)."""
-        error = self.outer.error(f)
+        and the weight exact; and the error this send leaves. bf16 travels as its 2 bytes
+        a value, int8 as blocks with a scale each ([Note: int8 blocks] in quantized.py)."""
+        error = self.outer.error(f)  # a new tensor: the state keeps the error before
         tail = torch.tensor([weight], dtype=torch.float32, device=delta.device)
         if self.wire == "bf16":
             x = delta + error
             sent = x.to(torch.bfloat16)
-            self.outer.set_error(f, x - sent.float())
-            return torch.cat([sent.view(torch.uint8), tail.view(torch.uint8)])
+            return torch.cat([sent.view(torch.uint8), tail.view(torch.uint8)]), x - sent.float()
         error = error.view(1, -1)
         row = quantized.pack(delta.view(1, -1), BLOCK, tail.view(1, 1), error)
-        self.outer.set_error(f, error.view(-1))
-        return row[0]
+        return row[0], error.view(-1)
 
     def _finish(self, step: int) -> None:
         """Wait for the sync in flight and apply it; one that fails is sent again with
@@ -599,14 +680,15 @@ class SemiSyncReplicas(FaultTolerantReplicas):
             self._say(f"step {step}: the sync of fragment {sync.fragment} did not commit "
                       f"({why}): sent again")  # fmt: skip
             self._stalled(f"no fragment sync committed ({why})")
-            self.trained[sync.fragment] += int(sync.weight)
-            if sync.kept is not None:
-                self.outer.set_error(sync.fragment, sync.kept)
+            self.flight.trained[sync.fragment] += int(sync.weight)
             self._sync(step, sync.fragment, step, sync.alpha)  # in flight again
 
     def _apply(self, step: int, sync: _Sync) -> None:
         mean = self._mean(sync)
+        self.flight.sync = None
         if mean is not None:  # None: no group of the quorum trained it (all just healed)
+            if sync.error is not None:  # gathered in the group by `apply`
+                self.outer.set_error(sync.fragment, sync.error)
             alpha = self.alpha if sync.alpha is None else sync.alpha
             self.outer.apply(sync.fragment, mean, alpha)
             self.engine.params_from_masters()
@@ -649,4 +731,22 @@ class _Sync:
     weights: torch.Tensor | None  # fp32 wire: Σ w lands here
     works: list[Any]
     gathered: list[torch.Tensor] | None  # lossy wire: every group's row
-    kept: torch.Tensor | None  # the error feedback before this send (restored on a retry)
+    error: torch.Tensor | None  # lossy wire: the error feedback this send leaves
+
+
+class Flight:
+    """Each fragment's slots trained since its last send and the sync in flight
+    ({fragment, due, weight, alpha}, or None): a stateful of the checkpoint ([Note: a
+    checkpoint with a sync in flight])."""
+
+    def __init__(self, trained: list[int]) -> None:
+        self.trained, self.sync, self.loaded = trained, None, False
+
+    def state_dict(self) -> dict[str, Any]:
+        sync = None if self.sync is None else dict(self.sync)
+        return {"trained": list(self.trained), "sync": sync}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["trained"]) != len(self.trained):
+            return  # another ft.fragments: counted afresh (`_since_send`)
+        self.trained, self.sync, self.loaded = list(state["trained"]), state["sync"], True

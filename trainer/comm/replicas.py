@@ -153,6 +153,10 @@ class Replicas:
     def writes_checkpoints(self) -> bool:
         return True
 
+    def checkpointed(self) -> dict[str, Any]:
+        """Statefuls a checkpoint keeps for the replica groups, by name."""
+        return {}
+
     def load_step(self, step: int) -> None:
         """The step a checkpoint resumed at (the Manager counts committed steps)."""
 
@@ -344,6 +348,9 @@ class FaultTolerantReplicas(Replicas):
         self._load_state_dict(sent["state"])
         self.healed_at = int(sent["state"]["step"])
         self.origin.born = born
+
+    def checkpointed(self) -> dict[str, Any]:
+        return {"ft_origin": self.origin}  # [Note: a group's origin]
 
     def load_step(self, step: int) -> None:
         if step > 0 and not self.origin.loaded:  # resumed from a checkpoint without one

@@ -85,6 +85,22 @@ def schedule_of(cfg: DictConfig) -> Schedule | None:
     )  # fmt: skip
 
 
+def outer_bytes_per_value(cfg: DictConfig) -> int:
+    """Bytes the outer state of `ft.semi_sync` adds to each value of the optimizer's
+    state ([Note: outer state in the optimizer's state] in comm/diloco.py): the global
+    copy, the outer momentum (diloco with an outer momentum above 0), the error
+    feedback of a lossy wire and, with a delay, the pseudo-gradient in flight ([Note: a
+    checkpoint with a sync in flight]), fp32 each. Also with one group: the run keeps
+    them."""
+    ft = cfg.get("ft")
+    if not ft or not ft.enabled or ft.get("semi_sync") is None:
+        return 0
+    momentum = ft.semi_sync == "diloco" and float(ft.outer_momentum) > 0
+    lossy = str(ft.pseudo_grad_dtype) != "fp32"
+    delayed = int(ft.fragment_sync_delay) > 0
+    return 4 * (1 + int(momentum) + int(lossy) + int(delayed))
+
+
 def fragments(cfg: DictConfig, model: torch.nn.Module | None, p: Plan) -> dict[str, int] | None:
     """Parameter name -> fragment, as the run cuts them (diloco.fragments_for); None for
     the per-step sync. A bare parameter count has no units: one fragment only."""

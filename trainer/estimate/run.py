@@ -67,6 +67,10 @@ def estimate(
         passes = _passes(first, micro, alternative) if ok else None
         buffers = _buffer_bytes(model, Precision.of(first.precision))
         built = _built_bytes(model)
+    # DiLoCo's outer tensors ride in the optimizer's state, per value it steps
+    opt = layout.OptimizerState(
+        opt.per_element + replica_groups.outer_bytes_per_value(first), opt.per_tensor
+    )
     out = {}
     for mode, cfg in cfgs.items():
         options = cfg.mode

@@ -302,8 +302,8 @@ def build_run(cfg: DictConfig, env: tdist.DistEnv) -> Run:
             lambda: live_state(run), lambda state: load_live_state(run, state), engine,
             fragment_of,
         )  # fmt: skip
-        # checkpoints keep where the group's model began: [Note: a group's origin]
-        run.resumable["ft_origin"] = run.replicas.origin
+        # where the group's model began ([Note: a group's origin]), a sync in flight
+        run.resumable.update(run.replicas.checkpointed())
     if getattr(model, "model_config", None) is not None:  # a language model: sampled
         model_dir = run_dir / "model"
         codec = codec_from_meta(read_meta(model_dir), model_dir) if env.is_rank0 else None
