@@ -19,7 +19,6 @@ from trainer.errors import ConfigError
 from trainer.estimate import layout, replica_groups
 from trainer.estimate.activations import Activations, measure_passes
 from trainer.estimate.traffic import EXPOSED, Cluster, Sent, collectives, split, step_time
-from trainer.models.lm import positions
 from trainer.observe.metrics import PEAK_FLOPS
 from trainer.parallel import calls, experts
 from trainer.parallel.precision import Precision
@@ -316,6 +315,8 @@ def _build(cfg: DictConfig, **kwargs: Any) -> torch.nn.Module:
 def sample_of(cfg: DictConfig) -> tuple[torch.Tensor, ...]:
     """Sample 0 of the configured dataset, for its shapes (a synthetic one made with n=1):
     (x, y), and what else a sample holds for the model (data.doc_mask's segments)."""
+    from trainer.models.build import take_models_window
+
     dataset = cfg.data.dataset
     try:
         data = instantiate(dataset, **({"n": 1} if "n" in dataset else {}))
@@ -324,12 +325,7 @@ def sample_of(cfg: DictConfig) -> tuple[torch.Tensor, ...]:
             raise e.__cause__ from None
         raise
     if getattr(data, "block_size", 0) is None:  # token data: the model's window, as a run's
-        block = positions(build_meta(cfg))
-        if block is None:
-            raise ConfigError(
-                f"model {cfg.model.get('_target_')} gives no block size; set data.block_size"
-            )
-        data.block_size = block
+        take_models_window(build_meta(cfg), [data], f"model {cfg.model.get('_target_')}")
     return tuple(torch.as_tensor(t) for t in data[0])
 
 

@@ -28,13 +28,7 @@ def model_and_data(
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, **sizes)
     held_out = instantiate(cfg.data.dataset, train=False) if cfg.train.eval_every else None
-    if getattr(dataset, "block_size", 0) is None:  # token data: the model's window
-        block = positions(model)
-        if block is None:
-            raise ConfigError(f"{what}: the model gives no block size; set data.block_size")
-        for ds in (dataset, held_out):
-            if ds is not None:
-                ds.block_size = block
+    take_models_window(model, [dataset, held_out], what)
     top = positions(model)
     block = getattr(dataset, "block_size", None)
     if top is not None and block is not None and block > top:
@@ -42,6 +36,19 @@ def model_and_data(
             f"data.block_size={block} is beyond the model's {top} positions; use at most {top}"
         )
     return model, dataset, held_out
+
+
+def take_models_window(model: nn.Module, datasets: list[Dataset | None], what: str) -> None:
+    """Token data without a `data.block_size` takes the model's window (its positions).
+    `what`: the model and data, for the refusal of a model that gives none."""
+    if getattr(datasets[0], "block_size", 0) is not None:  # set, or not token data
+        return
+    block = positions(model)
+    if block is None:
+        raise ConfigError(f"{what}: the model gives no block size; set data.block_size")
+    for ds in datasets:
+        if ds is not None:
+            ds.block_size = block
 
 
 def model_sizes(cfg: DictConfig, dataset: Dataset | None = None, what: str = "") -> dict:
