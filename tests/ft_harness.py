@@ -95,12 +95,12 @@ def wait_for_line(p: subprocess.Popen, line: str, timeout: float = 120) -> None:
 
 
 def fresh_then_back(
-    run_dir: Path, lighthouse: str, args: Sequence[str], resumed_at: int
-) -> tuple[str, str]:
+    run_dir: Path, lighthouse: str, args: Sequence[str], resumed_at: int, dropped: int
+) -> None:
     """[Note: a group's origin]'s case: group 1 started afresh alone (no checkpoint of its
     own), held in the quorum after its step 8; then group 0 back from its checkpoint of step
-    `resumed_at` under `run_dir`/g0; then group 1 let go. Both must end well: their logs
-    (group 1's, group 0's)."""
+    `resumed_at` under `run_dir`/g0; then group 1 let go. Both must end well, group 0
+    keeping its model and group 1 dropping its `dropped` steps to heal from it."""
     go = run_dir / "go"
     pause = {"SHARDTRAIN_FAULT": "0:8:pause", "SHARDTRAIN_FAULT_PAUSE_UNTIL": str(go)}
     alone = ["ft.min_groups=1", "ft.join_timeout_s=0.1"]
@@ -109,7 +109,11 @@ def fresh_then_back(
     back = start_group(run_dir, lighthouse, 0, [*args, "ft.min_groups=2", "resume=auto"])
     wait_for_line(back, f"at step {resumed_at}")  # resumed: its quorum is next
     go.touch()
-    logs = finished(fresh), finished(back)
-    for p, log in zip((fresh, back), logs, strict=True):
+    log1, log0 = finished(fresh), finished(back)
+    for p, log in zip((fresh, back), (log1, log0), strict=True):
         assert p.returncode == 0, log[-3000:]
-    return logs
+    assert "group 0: healed" not in log0, log0[-3000:]
+    want = f"group 0: not healed from a group at step {dropped} (started afresh at"
+    assert want in log0, log0[-3000:]
+    assert f"Its {dropped} steps are dropped" in log1, log1[-3000:]
+    assert f"group 1: healed from a live peer at step {resumed_at}" in log1, log1[-3000:]
