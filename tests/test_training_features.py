@@ -526,7 +526,7 @@ def test_schedule_counts_taken_steps_on_the_device_as_the_host_would():
     from trainer.observe import host
     from trainer.run.optim import lr_scheduler
 
-    def optimizer() -> torch.optim.Optimizer:
+    def optimizer() -> torch.optim.Optimizer:  # steps without gradients: only its lr is read
         return torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=0.1, fused=True)
 
     cfg = {"schedule": "cosine", "warmup_steps": 3, "min_lr_ratio": 0.1}
