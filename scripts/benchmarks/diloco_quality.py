@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -77,12 +76,6 @@ def prepared(a: argparse.Namespace) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_run(a: argparse.Namespace, data: Path, name: str, ft_args: list[str]) -> dict:
     """The recipe over a.groups replica groups with `ft_args`; the held-out loss of group
     0's final model, every group's exit code and the run's wall time."""
@@ -91,16 +84,14 @@ def one_run(a: argparse.Namespace, data: Path, name: str, ft_args: list[str]) ->
     if final.is_file():  # a sweep stopped half-way goes on where it was
         return json.loads((out / "result.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    binary = str(Path(sys.executable).with_name("torchft_lighthouse"))
-    lh_argv = [binary, f"--bind=127.0.0.1:{port}", f"--min_replicas={a.groups}",
-               "--join_timeout_ms=60000"]  # fmt: skip
+    from torchft.coordination import LighthouseServer  # in this process: it ends with it
+
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=a.groups, join_timeout_ms=60_000)
+    address = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDTRAIN_FAULT", "RANK"))}
     threads = str(a.threads)
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, RUST_LOG="warn")
     started = time.monotonic()
-    with open(out / "lighthouse.log", "w") as log:
-        lh = subprocess.Popen(lh_argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     recipe = our_recipe(data, a.steps)
     # one evaluation, at the end: the figure compared (the recipe's evaluations between
     # syncs would be of the global copy too, and cost every group the same)
@@ -110,7 +101,7 @@ def one_run(a: argparse.Namespace, data: Path, name: str, ft_args: list[str]) ->
         argv = [sys.executable, "train.py", *recipe, f"train.eval_every={a.steps}",
                 f"train.log_every={min(100, a.steps)}", f"seed={a.seed}", "ckpt.every=0",
                 "ft.enabled=true", f"ft.replica_groups={a.groups}", f"ft.replica_group={g}",
-                f"ft.lighthouse=http://127.0.0.1:{port}", *ft_args,
+                f"ft.lighthouse={address}", *ft_args,
                 f"hydra.run.dir={out / f'g{g}'}"]  # fmt: skip
         with open(out / f"g{g}.log", "w") as log:
             groups.append(
@@ -126,8 +117,7 @@ def one_run(a: argparse.Namespace, data: Path, name: str, ft_args: list[str]) ->
                     p.kill()
                     codes[g] = f"killed after {a.timeout:g} s"
         time.sleep(0.5)
-    lh.kill()
-    lh.wait()
+    lh.shutdown()
     result = {"codes": codes, "wall_s": time.monotonic() - started, "val_loss": None}
     if final.is_file():
         result["val_loss"] = json.loads(final.read_text())["eval/loss"]
