@@ -163,6 +163,10 @@ def _whole_group(
         flat = full
     if keeps:
         yield from _copies(g.names, g.layout.views(flat))
+    if full is not None:
+        # now, not when Gloo's worker thread lets go of it: the next group's buffer
+        # would sit beside this one
+        comm.free_storage(full)
 
 
 def _copies(names: list[str], views: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
