@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from warm_cli import Job, popen_to_log
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def start_group(
     env: dict[str, str] | None = None,
     nproc: int = 1,
     restarts: int = 0,
-) -> subprocess.Popen:
+) -> subprocess.Popen | Job:
     """Replica group g as a job of its own writing to `run_dir`/g<g>, its output in a log
     file beside it (`p.log`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -64,15 +65,12 @@ def start_group(
                   "train.py"]  # fmt: skip
     argv = [*launch, *args, f"ft.replica_group={g}", f"ft.lighthouse={lighthouse}",
             f"hydra.run.dir={run_dir}/g{g}"]  # fmt: skip
-    with open(log, "w") as out:
-        p = subprocess.Popen(
-            argv, cwd=ROOT, env=clean_env(env), stdout=out, stderr=subprocess.STDOUT
-        )
+    p = popen_to_log(argv, clean_env(env), log, ROOT)  # from the warm server when it can be
     p.log = log
     return p
 
 
-def finished(p: subprocess.Popen, timeout: float = 120) -> str:
+def finished(p: subprocess.Popen | Job, timeout: float = 120) -> str:
     """The job's output once it ended (killed after `timeout` seconds)."""
     try:
         p.wait(timeout)
@@ -86,7 +84,7 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "final_model.pt", map_location="cpu", weights_only=True)
 
 
-def wait_for_line(p: subprocess.Popen, line: str, timeout: float = 120) -> None:
+def wait_for_line(p: subprocess.Popen | Job, line: str, timeout: float = 120) -> None:
     """Until the running job `p` (start_group's) has written `line` to its log."""
     end = time.monotonic() + timeout
     while line not in p.log.read_text():

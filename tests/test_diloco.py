@@ -229,12 +229,12 @@ def test_h1_with_plain_sgd_is_the_per_step_sync(tmp_path, lighthouse):
     """Inner SGD without momentum, H = 1, outer lr 1, no momentum: each sync's mean Δ is
     lr times the mean gradient, the per-step sync's update, so the run ends where one
     process on the whole global batch does."""
-    import subprocess
     import sys
 
+    from warm_cli import command
+
     d = tmp_path / "one"
-    r = subprocess.run([sys.executable, "train.py", *BASE, f"hydra.run.dir={d}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = command([sys.executable, "train.py", *BASE, f"hydra.run.dir={d}"], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lh = lighthouse()
     args = ["ft.semi_sync=diloco", "ft.sync_steps=1", "ft.outer_lr=1", "ft.outer_momentum=0"]

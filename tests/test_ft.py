@@ -24,6 +24,7 @@ from ft_harness import clean_env as _env
 from ft_harness import final_model as _final
 from ft_harness import finished as _done
 from ft_harness import fresh_then_back, start_group
+from warm_cli import command
 
 from trainer.comm.replicas import slots_of
 
@@ -38,6 +39,7 @@ BASE = [
     "train.eval_every=0",
 ]  # fmt: skip
 FT = ["ft.enabled=true", "ft.replica_groups=2", "ft.timeout_s=10", "ft.heartbeat_ms=50"]
+QUIET = {"RUST_LOG": "warn"}  # torchft's own logging: warnings only (ft_harness.clean_env)
 
 
 def _run(tmp, lh, g, args=(), env=None, nproc=1, restarts=0):
@@ -50,10 +52,7 @@ def _run(tmp, lh, g, args=(), env=None, nproc=1, restarts=0):
 def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     """One process on the whole global batch: what every ft run below must end at."""
     d = tmp_path_factory.mktemp("reference")
-    r = subprocess.run(
-        [sys.executable, "train.py", *BASE, f"hydra.run.dir={d}"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    r = command([sys.executable, "train.py", *BASE, f"hydra.run.dir={d}"], QUIET, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return _final(d)
 
@@ -247,9 +246,9 @@ def test_too_few_groups_for_too_long_stops_with_a_checkpoint_a_plain_run_resumes
     assert "longer than ft.stall_timeout_s=3 (ft.min_groups=2): stopping" in log0
     saved = stalled.dir / "g0" / "checkpoints" / "step_000005"
     assert (saved / "COMPLETE").exists(), log0[-2000:]
-    r = subprocess.run(
+    r = command(
         [sys.executable, "train.py", *BASE, f"resume={saved}", f"hydra.run.dir={tmp_path}/plain"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+        QUIET, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     _same_as(reference, _final(tmp_path / "plain"), "ft checkpoint resumed without ft")
@@ -287,10 +286,10 @@ def test_a_group_of_another_config_is_refused(tmp_path, lighthouse):
 
 
 def test_no_lighthouse_is_one_line(tmp_path):
-    r = subprocess.run(
+    r = command(
         [sys.executable, "train.py", *BASE, *FT, "ft.lighthouse=http://127.0.0.1:9",
          "ft.connect_timeout_s=1", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+        QUIET, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]

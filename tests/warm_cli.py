@@ -24,8 +24,12 @@ trainer/models/materialize.py). The same server runs the scripts of scripts/ (`p
 scripts/x.py ...`, in a working directory of the test's choice) and `python -c`/`python -`:
 each is `__main__` in its child as train.py is. `command` stands for `subprocess.run`,
 `popen` for `subprocess.Popen` (a test that signals a running job: the Job's pid is the
-process running the command line), `SHIM` for the interpreter of a script that starts
-Python itself ([Note: warm python], below). The server runs one command line at a time.
+process running the command line), `popen_to_log` for the jobs of replica groups
+(tests/ft_harness.py: several at once, output into one log), `SHIM` for the interpreter
+of a script that starts Python itself ([Note: warm python], below). Children run side by
+side: the server reaps each as it ends (SIGCHLD wakes its loop) and tells its client the
+exit code. `command` and `popen` are the one job of a test at a time: one a failed test
+left running is killed when the next starts.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -46,17 +51,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # variables the trainer reads while it runs, not at start: a child may take them
 # (SHARDTRAIN_FAULT*: trainer/checkpoint/faults.py reads them when a fault point is reached;
-# CUDA_VISIBLE_DEVICES: torch reads it when CUDA initializes, which the server never does)
+# CUDA_VISIBLE_DEVICES: torch reads it when CUDA initializes, which the server never does;
+# RUST_LOG: torchft's logging when torchft is imported, which the server never does)
 WARM_ENV = frozenset(
-    {"SHARDTRAIN_FAULT", "SHARDTRAIN_FAULT_ONCE", "PYTHONFAULTHANDLER", "CUDA_VISIBLE_DEVICES"}
-)
+    {"SHARDTRAIN_FAULT", "SHARDTRAIN_FAULT_ONCE", "SHARDTRAIN_FAULT_PAUSE_UNTIL",
+     "PYTHONFAULTHANDLER", "CUDA_VISIBLE_DEVICES", "RUST_LOG"}
+)  # fmt: skip
 # `python` for scripts that run $PY (scripts/gpu_check.sh): [Note: warm python]
 SHIM = ROOT / "tests" / "warm_python"
 # set by a shell or by pytest for its own bookkeeping; neither Python nor torch reads them
 SHELL_ENV = ("SHLVL", "_", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST")
 
 SERVER = r"""
-import atexit, faulthandler, json, os, runpy, select, socket, sys, threading, traceback, types
+import atexit, faulthandler, json, os, runpy, select, signal, socket, sys, threading, traceback
+import types
 START_ENV = dict(os.environ)  # before an import sets a variable of its own
 import hydra, omegaconf, torch  # what every run imports: once, here
 import torch.distributed.run  # torchrun's launcher
@@ -64,10 +72,15 @@ import torch._dynamo  # what the first optimizer a process builds imports
 import trainer.run.cli, trainer.run.loop  # train.py's own imports and the loop's
 assert threading.active_count() == 1, threading.enumerate()  # fork needs one thread
 assert "transformers" not in sys.modules
+assert "torchft" not in sys.modules  # RUST_LOG: still the child's to set
 assert not torch.cuda.is_initialized()  # CUDA_VISIBLE_DEVICES: still the child's to set
 SOCKET, WARM_ENV = sys.argv[1], frozenset(json.loads(sys.argv[2]))
 
 def child(case, fds):
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in (wake_read, wake_write):
+        os.close(fd)
     if fds:  # a client's stdin, stdout and stderr
         for fd, own in enumerate(fds):
             os.dup2(own, fd)
@@ -75,9 +88,15 @@ def child(case, fds):
             os.close(own)
     else:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        # stdout and stderr into their files, or both into one (a shell's 2>&1)
+        opened = {}
         for fd, name in ((1, "stdout"), (2, "stderr")):
-            f = os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd)
+            path = case[name]
+            if path not in opened:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+                opened[path] = os.open(path, flags, 0o644)
+            os.dup2(opened[path], fd)
+        for f in opened.values():
             os.close(f)
     os.chdir(case["cwd"])
     os.environ.clear()
@@ -117,7 +136,9 @@ def child(case, fds):
     sys.stderr.flush()
     os._exit(code)
 
-def serve(case, fds, say):
+running = {}  # pid of a child -> what to do with its exit code
+
+def serve(case, fds, say, done=lambda: None):
     pid = os.fork()
     if pid == 0:
         listener.close()
@@ -125,8 +146,14 @@ def serve(case, fds, say):
     for fd in fds:
         os.close(fd)
     say({"pid": pid})
-    _, status = os.waitpid(pid, 0)
-    say({"code": os.waitstatus_to_exitcode(status)})
+    running[pid] = lambda code: (say({"code": code}), done())
+
+def reap():
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        running.pop(pid)(os.waitstatus_to_exitcode(status))
 
 def warm_for(case):
     # [Note: warm python]: every variable that differs from the server's start is one
@@ -137,21 +164,19 @@ def warm_for(case):
     return differ <= own
 
 def client(conn):
-    with conn:
-        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-        while not data.endswith(b"\n"):
-            more = conn.recv(1 << 16)
-            if not more:
-                return
-            data += more
-        case = json.loads(data)
-        say = lambda msg: conn.sendall((json.dumps(msg) + "\n").encode())
-        if len(fds) != 3 or not warm_for(case):
-            for fd in fds:
-                os.close(fd)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while data and not data.endswith(b"\n"):
+        more = conn.recv(1 << 16)
+        data = data + more if more else b""
+    say = lambda msg: conn.sendall((json.dumps(msg) + "\n").encode())
+    if not data or len(fds) != 3 or not warm_for(json.loads(data)):
+        for fd in fds:
+            os.close(fd)
+        if data:
             say({"cold": True})
-            return
-        serve(case, fds, say)
+        conn.close()
+        return
+    serve(json.loads(data), fds, say, conn.close)  # the connection stays open until it ends
 
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(SOCKET)
@@ -162,11 +187,20 @@ def say_stdout(msg):
     reply.write(json.dumps(msg) + "\n")
     reply.flush()
 
+# Children run side by side: each one's end is a SIGCHLD, which wakes the loop below
+# through this pipe, and is reaped there.
+wake_read, wake_write = os.pipe()
+os.set_blocking(wake_write, False)
+signal.signal(signal.SIGCHLD, lambda *_: None)
+signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
 say_stdout({"ready": True})
 
 pending = b""
 while True:
-    ready, _, _ = select.select([0, listener], [], [])
+    ready, _, _ = select.select([0, listener, wake_read], [], [])
+    if wake_read in ready:
+        os.read(wake_read, 1 << 16)
+        reap()
     if 0 in ready:
         data = os.read(0, 1 << 16)
         if not data:
@@ -174,7 +208,8 @@ while True:
         pending += data
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            serve(json.loads(line), [], say_stdout)
+            case = json.loads(line)
+            serve(case, [], lambda msg, job=case["job"]: say_stdout({"job": job, **msg}))
     if listener in ready:
         client(listener.accept()[0])
 """
@@ -183,25 +218,36 @@ while True:
 class Job:
     """One command line running in a child of the server, used as `subprocess.Popen(...,
     stdout=PIPE, stderr=PIPE, text=True)` is: `pid`, `poll`, `wait`, `communicate`,
-    `send_signal`, `kill`, `returncode` (negative: the signal that ended it)."""
+    `send_signal`, `kill`, `returncode` (negative: the signal that ended it). `log`: its
+    stdout and stderr both into that file instead (`stderr=STDOUT`)."""
 
-    def __init__(self, server: _Server, argv: list[str], module: str | None, env: dict, cwd: Path):
+    def __init__(
+        self,
+        server: _Server,
+        argv: list[str],
+        module: str | None,
+        env: dict,
+        cwd: Path,
+        log: Path | None = None,
+    ):
         self.args = argv
         self._tmp = tempfile.TemporaryDirectory()
         self._out, self._err = Path(self._tmp.name) / "stdout", Path(self._tmp.name) / "stderr"
+        if log is not None:
+            self._out = self._err = log
+        self._replies = server.replies_to(self)
         case = {
-            "argv": argv, "module": module, "cwd": str(cwd), "env": env,
+            "job": id(self), "argv": argv, "module": module, "cwd": str(cwd), "env": env,
             "stdout": str(self._out), "stderr": str(self._err),
         }  # fmt: skip
-        server.proc.stdin.write(json.dumps(case) + "\n")
-        server.proc.stdin.flush()
-        self.pid: int = json.loads(server.proc.stdout.readline())["pid"]
+        server.send(case)
+        self.pid: int = self._replies.get()["pid"]
         self.returncode: int | None = None
-        self._reader = threading.Thread(target=self._read_code, args=(server,), daemon=True)
+        self._reader = threading.Thread(target=self._read_code, daemon=True)
         self._reader.start()
 
-    def _read_code(self, server: _Server) -> None:
-        self.returncode = json.loads(server.proc.stdout.readline())["code"]
+    def _read_code(self) -> None:
+        self.returncode = self._replies.get()["code"]
 
     def poll(self) -> int | None:
         return self.returncode
@@ -210,10 +256,14 @@ class Job:
         self._reader.join(timeout)
         if self._reader.is_alive():
             raise subprocess.TimeoutExpired(self.args, timeout)
+        if self.returncode is None:
+            raise RuntimeError(f"the warm server ended before {self.args}")
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
+        if self._out == self._err:
+            return self._out.read_text(), ""
         return self._out.read_text(), self._err.read_text()
 
     def send_signal(self, sig: int) -> None:
@@ -238,15 +288,44 @@ class _Server:
         atexit.register(shutil.rmtree, self.socket.parent, ignore_errors=True)
         assert json.loads(self.proc.stdout.readline()) == {"ready": True}  # and listening
         self.job: Job | None = None
+        self._replies: dict[int, queue.SimpleQueue] = {}  # id of a Job -> what it is told
+        self._sending = threading.Lock()
+        threading.Thread(target=self._hand_out, daemon=True).start()
+
+    def replies_to(self, job: Job) -> queue.SimpleQueue:
+        return self._replies.setdefault(id(job), queue.SimpleQueue())
+
+    def send(self, case: dict) -> None:
+        with self._sending:
+            self.proc.stdin.write(json.dumps(case) + "\n")
+            self.proc.stdin.flush()
+
+    def _hand_out(self) -> None:
+        """Each of the server's replies (a child's pid, then its exit code) to its Job:
+        several may run at once (`start_beside`)."""
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            job = msg.pop("job")
+            replies = self._replies.pop(job) if "code" in msg else self._replies[job]
+            replies.put(msg)
+        for replies in list(self._replies.values()):  # the server is gone
+            replies.put({"pid": None, "code": None})
 
     def start(self, argv: list[str], module: str | None, env: dict, cwd: Path) -> Job:
-        """A child for `argv`; the server runs one at a time. One still running was left
+        """A child for `argv`, the one command line of a test. One still running was left
         behind by a test that failed before it waited: it is killed first."""
         if self.job is not None and self.job.poll() is None:
             self.job.kill()
             self.job.wait()
         self.job = Job(self, argv, module, env, cwd)
         return self.job
+
+    def start_beside(
+        self, argv: list[str], module: str | None, env: dict, cwd: Path, log: Path
+    ) -> Job:
+        """A child for `argv` that runs beside the others the test started (the jobs of
+        replica groups), its stdout and stderr into `log`."""
+        return Job(self, argv, module, env, cwd, log)
 
     def run(self, argv: list[str], module: str | None, env: dict, cwd: Path, timeout: float):
         job = self.start(argv, module, env, cwd)
@@ -331,6 +410,21 @@ def popen(argv: list[str], extra_env: dict | None = None, cwd: Path = ROOT):
         )
     launcher, args = _launcher(argv)
     return server.start(*_split(launcher, args), env, cwd)
+
+
+def popen_to_log(argv: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT):
+    """`subprocess.Popen(argv, cwd=cwd, env=env, stdout=open(log, "w"), stderr=STDOUT)`,
+    from the warm server when it can be, beside the other jobs the test started (replica
+    groups run at once): a Job. `env`: the whole environment of the command line."""
+    removed = os.environ.keys() - env.keys()
+    extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    server = _warm_server(extra) if removed <= WARM_ENV else None
+    log.write_text("")  # there from the start, as the shell's redirection makes it
+    if server is None:
+        with open(log, "w") as out:
+            return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    launcher, args = _launcher(argv)
+    return server.start_beside(*_split(launcher, args), env, cwd, log)
 
 
 def shim_env(own: list[str]) -> dict[str, str]:
