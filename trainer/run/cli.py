@@ -26,7 +26,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import schema  # noqa: F401  (registers the config's types with Hydra)
-from trainer.config.checks import CONF_DIR
+from trainer.config.checks import CONF_DIR, validate
 from trainer.errors import ConfigError, PeerError, TrainingError
 
 GROUPS = ("mode", "model", "data", "optim")
@@ -159,6 +159,10 @@ def _sweep_jobs(overrides: list[str], most: int = 100) -> list[list[str]]:
 
 def run_and_exit(cfg: DictConfig) -> None:
     if cfg.launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        try:  # refused here, before any worker starts, as each worker would refuse it
+            validate(cfg, cfg.launcher.nproc)
+        except ConfigError as e:
+            fail(str(e))
         return _launch_workers(cfg)
     from trainer.run.loop import train
     from trainer.run.preempt import EXIT_CODE, Stopped
